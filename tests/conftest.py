@@ -1,0 +1,63 @@
+"""Test set-up: Triton's interpreter on CPU-only machines, CUDA where present.
+
+TRITON_INTERPRET must be set before triton is imported (Triton decides at
+decoration time whether a kernel is compiled or interpreted), so this module
+sets it before importing tfuse.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import tfuse  # noqa: E402  (after the interpreter switch, on purpose)
+
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+SEED_ENV_VAR = "TFUSE_TEST_SEED"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the tests run: CUDA when present, else CPU through the interpreter."""
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fresh_random_seed(request: pytest.FixtureRequest) -> int:
+    """Fresh random data each run; the seed is printed with any failure.
+
+    Set TFUSE_TEST_SEED=N to replay a failing run.
+    """
+    seed = int(os.environ.get(SEED_ENV_VAR) or random.SystemRandom().randrange(2**31))
+    torch.manual_seed(seed)
+    request.node.tfuse_seed = seed
+    return seed
+
+
+@pytest.fixture(autouse=True)
+def auto_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from automatic backend selection, whatever the caller's shell says."""
+    monkeypatch.delenv(tfuse.BACKEND_ENV_VAR, raising=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "tfuse_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"{seed} (replay with {SEED_ENV_VAR}={seed})"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    import triton
+
+    where = torch.cuda.get_device_name() if ON_CUDA else "CPU through Triton's interpreter"
+    return f"tfuse tests on {where}; torch {torch.__version__}, triton {triton.__version__}"

@@ -1,0 +1,91 @@
+"""Shared helpers for the tests: input layouts and error bounds for sums."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def make_input(shape: Sequence[int], dtype: torch.dtype, device: torch.device, layout: str = "contiguous") -> torch.Tensor:
+    """A random tensor of ``shape`` whose memory layout is ``layout``.
+
+    Layouts: contiguous; transposed (last two dims swapped in memory);
+    strided (every other element of a larger tensor, with a storage offset);
+    channels_last (4-D only); expanded (a stride-0 view of a smaller tensor).
+    """
+    shape = tuple(shape)
+    if layout == "contiguous" or len(shape) == 0:
+        return torch.randn(shape, device=device).to(dtype)
+    if layout == "transposed":
+        if len(shape) < 2:
+            return make_input(shape, dtype, device, "strided")
+        swapped = shape[:-2] + (shape[-1], shape[-2])
+        return torch.randn(swapped, device=device).to(dtype).transpose(-1, -2)
+    if layout == "strided":
+        big = torch.randn(shape[:-1] + (2 * shape[-1] + 1,), device=device).to(dtype)
+        return big[..., 1::2]
+    if layout == "channels_last":
+        return torch.randn(shape, device=device).to(dtype).to(memory_format=torch.channels_last)
+    if layout == "expanded":
+        small = torch.randn(shape[:-1] + (1,), device=device).to(dtype)
+        return small.expand(shape)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon: the largest relative error of one rounding."""
+    return torch.finfo(dtype).eps / 2
+
+
+def assert_sum_accurate(result: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+    """Checks ``result`` against the float64 sum of ``inputs`` with an error bound.
+
+    A sum accumulated in float32 and rounded once to the output dtype is off
+    the exact sum by at most one rounding of the output (u_out * |sum|) plus
+    the accumulation error (n * u_32 * sum |x_i|), plus half the subnormal
+    spacing of the output dtype. This is the bound of the algorithm, not a
+    tolerance tuned to pass.
+    """
+    exact = sum(t.double() for t in inputs)
+    magnitude = sum(t.double().abs() for t in inputs)
+    acc_dtype = torch.float64 if result.dtype == torch.float64 else torch.float32
+    finfo = torch.finfo(result.dtype)
+    bound = (
+        unit_roundoff(result.dtype) * exact.abs()
+        + len(inputs) * unit_roundoff(acc_dtype) * magnitude
+        + finfo.tiny * finfo.eps
+    )
+    if result.dtype == torch.float64:
+        bound = 2 * bound  # the float64 reference rounds as often as the result does
+    error = (result.double() - exact).abs()
+    bad = error > bound
+    if bad.any():
+        worst = (error - bound).flatten().argmax()
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements beyond the error bound; at the worst, "
+            f"error {error.flatten()[worst].item():.3e} against bound {bound.flatten()[worst].item():.3e}"
+        )
+
+
+def assert_matches_torch_sum(result: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:
+    """Checks ``result`` against torch's own ``t0 + t1 + ...``: same dtype, shape and values.
+
+    float32/float64 sums round in the same order as torch's chain, so torch's
+    default tolerances apply. float16/bfloat16 chains in torch round after
+    every add, ours once: they may differ by n roundings of the output dtype
+    in all (n - 1 of torch's, one of ours), bounded by n * u_out * sum |x_i|.
+    """
+    expected = inputs[0]
+    for tensor in inputs[1:]:
+        expected = expected + tensor
+    assert result.dtype == expected.dtype
+    assert result.shape == expected.shape
+    if result.dtype in LOW_PRECISION:
+        magnitude = sum(t.double().abs() for t in inputs)
+        bound = len(inputs) * unit_roundoff(result.dtype) * magnitude + torch.finfo(result.dtype).tiny
+        assert ((result.double() - expected.double()).abs() <= bound).all()
+    else:
+        torch.testing.assert_close(result, expected)

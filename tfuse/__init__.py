@@ -1,0 +1,33 @@
+"""tfuse: fused training operations for PyTorch, written in Triton.
+
+Example:
+    >>> import torch, tfuse
+    >>> a, b, c = torch.randn(3, 1000).unbind()
+    >>> torch.allclose(tfuse.add(a, b, c), a + b + c)
+    True
+"""
+
+from tfuse._source_tree import ensure_kernels_importable
+
+ensure_kernels_importable()
+
+from tfuse import functional, kernels, nn  # noqa: E402
+from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
+from tfuse._launch import LaunchCount, count_launches  # noqa: E402
+from tfuse.functional import add  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "Backend",
+    "LaunchCount",
+    "add",
+    "count_launches",
+    "functional",
+    "interpreter_active",
+    "kernels",
+    "nn",
+    "select_backend",
+    "use_backend",
+]

@@ -1,0 +1,119 @@
+"""Which implementation of an op runs: the Triton kernel or the PyTorch path.
+
+Rules, checked on every call (so a test or a script may change them at will):
+
+* ``tfuse.use_backend(name)`` inside a ``with`` block wins over everything.
+* Otherwise the environment variable ``TFUSE_BACKEND``: ``triton`` forces the
+  kernels, ``torch`` forces the PyTorch path, ``auto`` or unset chooses.
+* ``auto``: the Triton kernels for CUDA tensors, and for CPU tensors when
+  Triton's interpreter is on (``TRITON_INTERPRET=1`` set before triton was
+  imported); the PyTorch path for every other case.
+
+A request that cannot be served is an error, never a silent switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import os
+from collections.abc import Iterator
+
+import torch
+
+BACKEND_ENV_VAR = "TFUSE_BACKEND"
+
+
+class Backend(str, enum.Enum):
+    """An implementation of a tfuse op."""
+
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+_CHOICES = ("auto", Backend.TRITON.value, Backend.TORCH.value)
+_override: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "tfuse_backend_override", default=None
+)
+
+
+def _parse(value: str, source: str) -> Backend | None:
+    """Turns ``auto``/``triton``/``torch`` into a Backend (None for auto)."""
+    name = value.strip().lower()
+    if name in ("", "auto"):
+        return None
+    if name in (Backend.TRITON.value, Backend.TORCH.value):
+        return Backend(name)
+    raise ValueError(
+        f"{source}={value!r} is not a tfuse backend; expected one of {', '.join(_CHOICES)}"
+    )
+
+
+def requested_backend() -> Backend | None:
+    """The backend forced by ``use_backend`` or ``TFUSE_BACKEND``; None means auto."""
+    forced = _override.get()
+    if forced is not None:
+        return forced
+    return _parse(os.environ.get(BACKEND_ENV_VAR, ""), BACKEND_ENV_VAR)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Forces a backend inside a ``with`` block (takes precedence over TFUSE_BACKEND).
+
+    Example:
+        >>> import torch, tfuse
+        >>> with tfuse.use_backend("torch"):
+        ...     out = tfuse.add(torch.ones(3), torch.ones(3))
+        >>> out.tolist()
+        [2.0, 2.0, 2.0]
+    """
+    backend = _parse(name, "use_backend")
+    token = _override.set(backend)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def interpreter_active() -> bool:
+    """True when tfuse's kernels were built for Triton's interpreter.
+
+    Triton decides at decoration time (when ``tfuse.kernels`` is imported)
+    whether a ``@triton.jit`` function is compiled or interpreted, so the
+    kernel objects themselves are the source of truth, not the environment.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tfuse import kernels
+
+    return isinstance(kernels._add_fwd_kernel, InterpretedFunction)
+
+
+def select_backend(device: torch.device, op: str) -> Backend:
+    """The backend that runs ``op`` on tensors of ``device``.
+
+    Raises:
+        RuntimeError: the Triton backend is forced but cannot run on ``device``.
+    """
+    forced = requested_backend()
+    if forced is Backend.TORCH:
+        return Backend.TORCH
+    if device.type == "cuda":
+        return Backend.TRITON
+    interpreted = device.type == "cpu" and interpreter_active()
+    if interpreted:
+        return Backend.TRITON
+    if forced is Backend.TRITON:
+        if device.type == "cpu":
+            raise RuntimeError(
+                f"tfuse.{op}: the Triton backend was requested for CPU tensors, but Triton's "
+                "interpreter is off. Set TRITON_INTERPRET=1 in the environment before "
+                "triton (or tfuse) is imported, or use TFUSE_BACKEND=torch."
+            )
+        raise RuntimeError(
+            f"tfuse.{op}: the Triton backend cannot run on device {device}; "
+            "it supports CUDA tensors, and CPU tensors under TRITON_INTERPRET=1"
+        )
+    return Backend.TORCH

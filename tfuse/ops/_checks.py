@@ -1,0 +1,97 @@
+"""Input checks shared by the launchers: every check runs before any launch.
+
+Messages name the op, the offending argument and its value, in the words
+torch uses for the same mistake where it has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+#: Floating dtypes the kernels read and write. Computation is float32 for the
+#: 16- and 32-bit types and float64 for float64.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+
+
+def check_tensor_args(op: str, args: Sequence[object], min_count: int, max_count: int) -> torch.device:
+    """Checks a variadic list of tensor arguments; returns their common device.
+
+    Raises:
+        TypeError: wrong number of arguments, a non-tensor argument, a sparse
+            tensor, or a dtype the kernels do not support.
+        RuntimeError: tensors on different devices.
+    """
+    if not min_count <= len(args) <= max_count:
+        raise TypeError(f"tfuse.{op} takes {min_count} to {max_count} tensors, got {len(args)}")
+    for index, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(
+                f"tfuse.{op}: argument {index} must be a torch.Tensor, got {type(arg).__name__}"
+            )
+        if arg.layout != torch.strided:
+            raise TypeError(
+                f"tfuse.{op}: argument {index} has layout {arg.layout}; only dense (strided) tensors are supported"
+            )
+        check_float_dtype(op, f"argument {index}", arg.dtype)
+    devices = {arg.device for arg in args}  # type: ignore[union-attr]
+    if len(devices) > 1:
+        names = sorted(str(d) for d in devices)
+        raise RuntimeError(
+            f"tfuse.{op}: Expected all tensors to be on the same device, but found at least "
+            f"two devices, {names[0]} and {names[1]}!"
+        )
+    return args[0].device  # type: ignore[union-attr]
+
+
+def check_float_dtype(op: str, what: str, dtype: torch.dtype) -> None:
+    """Raises TypeError unless ``dtype`` is one of SUPPORTED_DTYPES."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"tfuse.{op}: {what} has dtype {dtype}; supported dtypes are {_DTYPE_NAMES}"
+        )
+
+
+def broadcast_shape(op: str, shapes: Sequence[Sequence[int]]) -> torch.Size:
+    """The shape all ``shapes`` broadcast to, by torch's rules.
+
+    Raises:
+        RuntimeError: two shapes differ in a dimension where neither is 1.
+    """
+    ndim = max(len(shape) for shape in shapes)
+    result = [1] * ndim
+    owner = [-1] * ndim  # which argument fixed the size of each dimension
+    for index, shape in enumerate(shapes):
+        offset = ndim - len(shape)
+        for dim, size in enumerate(shape):
+            out_dim = offset + dim
+            if size == 1:
+                continue
+            if result[out_dim] == 1:
+                result[out_dim] = size
+                owner[out_dim] = index
+            elif result[out_dim] != size:
+                listed = ", ".join(str(list(s)) for s in shapes)
+                raise RuntimeError(
+                    f"tfuse.{op}: The size of tensor {owner[out_dim]} ({result[out_dim]}) must match "
+                    f"the size of tensor {index} ({size}) at non-singleton dimension {out_dim}; "
+                    f"shapes {listed} do not broadcast"
+                )
+    return torch.Size(result)
+
+
+def promote_float_dtypes(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The result dtype torch gives ``t0 + t1 + ...`` for floating tensors.
+
+    Zero-dimensional tensors take part in promotion only when no tensor with
+    dimensions is present (all inputs are floating, so the category rule of
+    torch reduces to this).
+    """
+    dimensioned = [t.dtype for t in tensors if t.dim() > 0]
+    dtypes = dimensioned or [t.dtype for t in tensors]
+    result = dtypes[0]
+    for dtype in dtypes[1:]:
+        result = torch.promote_types(result, dtype)
+    return result

@@ -1,0 +1,165 @@
+"""Plans the 2-D tiling of a broadcast elementwise op (see kernels/add.py).
+
+The output's dimensions are put in memory order, size-1 dimensions dropped
+and neighbours merged wherever every operand allows, so that a
+contiguous same-shape op becomes a single row and a bias over channels
+becomes (rows, channels). The last merged dimension is the tile's column
+dimension, the others are the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from tfuse.kernels import COL, LINEAR, ROW, SCALAR, STRIDED
+
+#: Elements per program. 2048 elements at 4 warps keeps 16 elements per thread
+#: in flight per input (four 128-bit loads in float32).
+TILE_ELEMENTS = 2048
+NUM_WARPS = 4
+#: Offsets are computed in int32 below this bound and in int64 from it on.
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """How a kernel walks the output and addresses each input.
+
+    Attributes:
+        n_rows, n_cols: the output as a 2-D array in memory order.
+        outer_sizes: sizes of the merged outer dimensions (their product is n_rows).
+        modes: addressing mode of each input (kernels.add LINEAR ... STRIDED).
+        in_strides: per input, its merged strides (outer ones, then the column
+            stride) for ROW/COL/STRIDED modes; a placeholder otherwise.
+        index_64: offsets need int64.
+        block_rows, block_cols: tile shape (powers of two).
+    """
+
+    n_rows: int
+    n_cols: int
+    outer_sizes: tuple[int, ...]
+    modes: tuple[int, ...]
+    in_strides: tuple[tuple[int, ...], ...]
+    index_64: bool
+    block_rows: int
+    block_cols: int
+
+    @property
+    def grid(self) -> tuple[int]:
+        """One program per tile."""
+        row_tiles = -(-self.n_rows // self.block_rows)
+        col_tiles = -(-self.n_cols // self.block_cols)
+        return (row_tiles * col_tiles,)
+
+
+def expanded_strides(tensor: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of ``tensor.expand(shape)`` without building the view (0 on broadcast dims)."""
+    offset = len(shape) - tensor.dim()
+    strides = [0] * len(shape)
+    for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())):
+        if size != 1:
+            strides[offset + dim] = stride
+    return tuple(strides)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def plan_tiles(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> TilePlan:
+    """Plans the tiling for writing ``out`` (dense, allocated by the launcher) from ``inputs``.
+
+    ``inputs`` must broadcast to ``out.shape`` (checked by the caller).
+    """
+    shape = out.shape
+    operands = [tuple(out.stride())] + [expanded_strides(t, shape) for t in inputs]
+    # Memory order of the output, outermost first; size-1 dimensions carry nothing.
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out.stride(d))
+
+    sizes: list[int] = []
+    merged: list[list[int]] = [[] for _ in operands]
+    for dim in dims:
+        size = shape[dim]
+        if sizes and all(m[-1] == s[dim] * size for m, s in zip(merged, operands)):
+            sizes[-1] *= size
+            for m, s in zip(merged, operands):
+                m[-1] = s[dim]
+        else:
+            sizes.append(size)
+            for m, s in zip(merged, operands):
+                m.append(s[dim])
+    if not sizes:  # a single element
+        sizes = [1]
+        merged = [[0] for _ in operands]
+
+    out_strides = merged[0]
+    contiguous = 1
+    for size, stride in zip(reversed(sizes), reversed(out_strides)):
+        if size != 1 and stride != contiguous:
+            raise RuntimeError(f"internal error: output strides {out.stride()} are not dense")
+        contiguous *= size
+
+    modes = []
+    in_strides = []
+    for strides in merged[1:]:
+        if strides == out_strides or len(sizes) == 1 and sizes[0] == 1:
+            modes.append(LINEAR)
+        elif all(s == 0 for s in strides):
+            modes.append(SCALAR)
+        elif strides[-1] == 0:
+            modes.append(ROW)
+        elif all(s == 0 for s in strides[:-1]):
+            modes.append(COL)
+        else:
+            modes.append(STRIDED)
+        in_strides.append(tuple(strides) if modes[-1] not in (LINEAR, SCALAR) else (0,))
+
+    n_cols = sizes[-1]
+    outer_sizes = tuple(sizes[:-1])
+    n_rows = 1
+    for size in outer_sizes:
+        n_rows *= size
+    block_cols = min(_next_power_of_2(n_cols), TILE_ELEMENTS)
+    block_rows = min(TILE_ELEMENTS // block_cols, _next_power_of_2(n_rows))
+
+    # Largest offset any lane computes, masked lanes of the last tile included.
+    padded_out = (n_rows + block_rows) * n_cols + block_cols
+    # Padded rows and columns only ever step further along the largest stride.
+    largest_input = max(
+        (
+            sum((size - 1) * s for size, s in zip(sizes, strides))
+            + (block_rows + block_cols) * max(strides)
+            for strides in merged[1:]
+        ),
+        default=0,
+    )
+    index_64 = max(padded_out, largest_input) >= INT32_LIMIT
+
+    return TilePlan(
+        n_rows=n_rows,
+        n_cols=n_cols,
+        outer_sizes=outer_sizes,
+        modes=tuple(modes),
+        in_strides=tuple(in_strides),
+        index_64=index_64,
+        block_rows=block_rows,
+        block_cols=block_cols,
+    )
+
+
+def empty_broadcast_output(
+    inputs: Sequence[torch.Tensor], shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """Allocates the output of a broadcast elementwise op, in the inputs' layout.
+
+    Like torch, the output follows the memory layout of the first input that
+    has the full output shape (so channels_last in gives channels_last out);
+    with none, it is contiguous.
+    """
+    for tensor in inputs:
+        if tensor.shape == shape:
+            return torch.empty_like(tensor, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=inputs[0].device)

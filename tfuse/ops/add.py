@@ -1,0 +1,134 @@
+"""``tfuse.add``: the sum of 2 to 8 tensors in one kernel launch.
+
+Layering: :func:`add` checks its arguments and hands them to the autograd
+Function (or straight to the forward when no gradient is wanted);
+:func:`add_forward` picks the backend and writes the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tfuse import kernels
+from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._launch import launch
+from tfuse.ops._checks import broadcast_shape, check_tensor_args, promote_float_dtypes
+from tfuse.ops._tiles import NUM_WARPS, empty_broadcast_output, plan_tiles
+
+#: Most inputs one launch adds (each input is a pointer and a stride tuple of
+#: the kernel; past this, split the sum).
+MAX_INPUTS = 8
+
+
+def add(*tensors: torch.Tensor) -> torch.Tensor:
+    """Adds 2 to 8 tensors with broadcasting, reading each once and writing once.
+
+    Same result as ``t0 + t1 + ...`` in torch: broadcasting and dtype
+    promotion by torch's rules, output in the layout of the first full-size
+    input. The sum is accumulated in float32 (float64 for float64 results)
+    and rounded once, so for float16/bfloat16 it is at least as accurate as
+    the chain of torch adds. Gradients flow to every input that requires one:
+    the incoming gradient summed over that input's broadcast dimensions, in
+    the input's dtype.
+
+    Example:
+        >>> import torch, tfuse
+        >>> x = torch.randn(8, 16)
+        >>> bias = torch.randn(16)
+        >>> residual = torch.randn(8, 16)
+        >>> torch.allclose(tfuse.add(x, bias, residual), x + bias + residual)
+        True
+
+    Raises:
+        TypeError: fewer than 2 or more than 8 arguments, a non-tensor
+            argument, a sparse tensor, or a non-floating dtype.
+        RuntimeError: tensors on different devices, shapes that do not
+            broadcast, or a forced backend that cannot run here.
+    """
+    device = check_tensor_args("add", tensors, 2, MAX_INPUTS)
+    shape = broadcast_shape("add", [t.shape for t in tensors])
+    dtype = promote_float_dtypes(tensors)
+    backend = select_backend(device, "add")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _AddFunction.apply(backend, shape, dtype, *tensors)
+    return add_forward(tensors, shape, dtype, backend)
+
+
+def add_forward(
+    tensors: Sequence[torch.Tensor], shape: torch.Size, dtype: torch.dtype, backend: Backend
+) -> torch.Tensor:
+    """Writes ``sum(tensors)`` into a new tensor of ``shape`` and ``dtype`` (inputs already checked)."""
+    out = empty_broadcast_output(tensors, shape, dtype)
+    if out.numel() == 0:
+        return out
+    if backend is Backend.TRITON:
+        _add_triton(out, tensors)
+    else:
+        _add_torch(out, tensors)
+    return out
+
+
+def _add_triton(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    plan = plan_tiles(out, tensors)
+    launch(
+        kernels._add_fwd_kernel,
+        plan.grid,
+        out,
+        tuple(tensors),
+        plan.in_strides,
+        plan.outer_sizes,
+        plan.n_rows,
+        plan.n_cols,
+        N_INPUTS=len(tensors),
+        MODES=plan.modes,
+        OUTER_RANK=len(plan.outer_sizes),
+        INDEX_64=plan.index_64,
+        ACC_FP64=out.dtype == torch.float64,
+        EMULATE_BF16_RTNE=out.dtype == torch.bfloat16 and interpreter_active(),
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        num_warps=NUM_WARPS,
+    )
+
+
+def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """The PyTorch path: whole-tensor adds, accumulated in float32/float64, rounded once."""
+    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = out if out.dtype == acc_dtype else torch.empty_like(out, dtype=acc_dtype)
+    first, second, *rest = tensors
+    if first.dtype == acc_dtype and second.dtype == acc_dtype:
+        torch.add(first, second, out=acc)
+    else:
+        # torch.add(out=...) would round to the inputs' common dtype first.
+        acc.copy_(first)
+        acc.add_(second)
+    for tensor in rest:
+        acc.add_(tensor)
+    if acc is not out:
+        out.copy_(acc)
+
+
+def sum_to_input(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of an input of ``shape`` that was broadcast to ``grad.shape``."""
+    if grad.shape != shape:
+        grad = grad.sum_to_size(shape)
+    return grad.to(dtype)
+
+
+class _AddFunction(torch.autograd.Function):
+    """Autograd for :func:`add`. Saves only the inputs' shapes and dtypes."""
+
+    @staticmethod
+    def forward(ctx, backend: Backend, shape: torch.Size, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
+        return add_forward(tensors, shape, dtype, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        grads = [
+            sum_to_input(grad_out, shape, dtype) if needed else None
+            for (shape, dtype), needed in zip(ctx.input_meta, ctx.needs_input_grad[3:])
+        ]
+        return (None, None, None, *grads)
