@@ -19,11 +19,12 @@ import triton.language as tl
 from .cast import _cast_to
 
 # How an input is addressed; one value per input in the MODES constexpr tuple.
-LINEAR = 0  # same strides as the output: input offset == output offset
-SCALAR = 1  # a single element broadcast everywhere
-ROW = 2  # constant along a row (inner stride 0): one load per row
-COL = 3  # the same for every row (outer strides 0): one load per column
-STRIDED = 4  # anything else: row offset from the outer coordinates + col * stride
+# (Kernels may read globals only if they are tl.constexpr; launchers use .value.)
+LINEAR = tl.constexpr(0)  # same strides as the output: input offset == output offset
+SCALAR = tl.constexpr(1)  # a single element broadcast everywhere
+ROW = tl.constexpr(2)  # constant along a row (inner stride 0): one load per row
+COL = tl.constexpr(3)  # the same for every row (outer strides 0): one load per column
+STRIDED = tl.constexpr(4)  # anything else: row offset from the outer coordinates + col * stride
 
 
 @triton.jit
@@ -36,8 +37,7 @@ def _row_offsets(rows, outer_sizes, strides, OUTER_RANK: tl.constexpr):
     """
     offsets = tl.zeros_like(rows)
     remaining = rows
-    for k in tl.static_range(OUTER_RANK):
-        dim: tl.constexpr = OUTER_RANK - 1 - k
+    for dim in tl.static_range(OUTER_RANK - 1, -1, -1):
         if dim > 0:
             coord = remaining % outer_sizes[dim]
             remaining = remaining // outer_sizes[dim]
@@ -61,6 +61,7 @@ def _add_fwd_kernel(
     INDEX_64: tl.constexpr,
     ACC_FP64: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -74,19 +75,28 @@ def _add_fwd_kernel(
     INDEX_64:    compute offsets in int64 (needed past 2**31 elements).
     ACC_FP64:    accumulate in float64 (float64 outputs) instead of float32.
     EMULATE_BF16_RTNE: round bfloat16 output on the bits (interpreter only, see cast.py).
+    ONE_ROW:     n_rows == 1 (then BLOCK_ROWS == 1).
     """
     pid = tl.program_id(0)
     if INDEX_64:
         pid = pid.to(tl.int64)
-    col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
-    row_tile = pid // col_tiles
-    col_tile = pid % col_tiles
-    rows = row_tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    if ONE_ROW:
+        # A fully merged op (e.g. same-shape contiguous inputs). Said at compile
+        # time so the offsets are provably pid * BLOCK_COLS + i: aligned, and
+        # loaded with 128-bit vectors whatever n_cols is.
+        rows = tl.zeros([BLOCK_ROWS], dtype=pid.dtype)
+        cols = pid * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        out_offsets = cols[None, :] + rows[:, None]
+    else:
+        col_tiles = tl.cdiv(n_cols, BLOCK_COLS)
+        row_tile = pid // col_tiles
+        col_tile = pid % col_tiles
+        rows = row_tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        out_offsets = rows[:, None] * n_cols + cols[None, :]
     row_mask = rows < n_rows
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
-    out_offsets = rows[:, None] * n_cols + cols[None, :]
 
     if ACC_FP64:
         acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float64)

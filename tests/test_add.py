@@ -7,9 +7,9 @@ import torch
 
 import tfuse
 import tfuse.ops.add as add_op
-from tfuse.kernels import COL, LINEAR, ROW, SCALAR, STRIDED
 from tfuse.nn import FusedAdd
 from tfuse.ops import _tiles
+from tfuse.ops._tiles import COL, LINEAR, ROW, SCALAR, STRIDED
 
 from helpers import assert_matches_torch_sum, assert_sum_accurate, make_input
 

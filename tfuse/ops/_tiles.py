@@ -14,7 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tfuse.kernels import COL, LINEAR, ROW, SCALAR, STRIDED
+from tfuse import kernels
+
+# Addressing modes of kernels/add.py as plain ints.
+LINEAR, SCALAR, ROW, COL, STRIDED = (
+    mode.value for mode in (kernels.LINEAR, kernels.SCALAR, kernels.ROW, kernels.COL, kernels.STRIDED)
+)
 
 #: Elements per program. 2048 elements at 4 warps keeps 16 elements per thread
 #: in flight per input (four 128-bit loads in float32).
@@ -31,7 +36,7 @@ class TilePlan:
     Attributes:
         n_rows, n_cols: the output as a 2-D array in memory order.
         outer_sizes: sizes of the merged outer dimensions (their product is n_rows).
-        modes: addressing mode of each input (kernels.add LINEAR ... STRIDED).
+        modes: addressing mode of each input (LINEAR ... STRIDED, see kernels/add.py).
         in_strides: per input, its merged strides (outer ones, then the column
             stride) for ROW/COL/STRIDED modes; a placeholder otherwise.
         index_64: offsets need int64.
