@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import os
 from collections.abc import Iterator
 
@@ -38,6 +39,7 @@ _override: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
 )
 
 
+@functools.lru_cache(maxsize=64)
 def _parse(value: str, source: str) -> Backend | None:
     """Turns ``auto``/``triton``/``torch`` into a Backend (None for auto)."""
     name = value.strip().lower()
@@ -77,12 +79,14 @@ def use_backend(name: str) -> Iterator[None]:
         _override.reset(token)
 
 
+@functools.cache
 def interpreter_active() -> bool:
     """True when tfuse's kernels were built for Triton's interpreter.
 
     Triton decides at decoration time (when ``tfuse.kernels`` is imported)
     whether a ``@triton.jit`` function is compiled or interpreted, so the
-    kernel objects themselves are the source of truth, not the environment.
+    kernel objects themselves are the source of truth, not the environment;
+    the answer cannot change afterwards and is cached.
     """
     from triton.runtime.interpreter import InterpretedFunction
 

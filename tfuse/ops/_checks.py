@@ -60,6 +60,9 @@ def broadcast_shape(op: str, shapes: Sequence[Sequence[int]]) -> torch.Size:
     Raises:
         RuntimeError: two shapes differ in a dimension where neither is 1.
     """
+    first = shapes[0]
+    if all(shape == first for shape in shapes):
+        return torch.Size(first)
     ndim = max(len(shape) for shape in shapes)
     result = [1] * ndim
     owner = [-1] * ndim  # which argument fixed the size of each dimension
@@ -89,6 +92,9 @@ def promote_float_dtypes(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     dimensions is present (all inputs are floating, so the category rule of
     torch reduces to this).
     """
+    first = tensors[0].dtype
+    if all(t.dtype == first for t in tensors):
+        return first
     dimensioned = [t.dtype for t in tensors if t.dim() > 0]
     dtypes = dimensioned or [t.dtype for t in tensors]
     result = dtypes[0]
