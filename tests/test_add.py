@@ -11,6 +11,7 @@ from tfuse.nn import FusedAdd
 from tfuse.ops import _tiles
 from tfuse.ops._tiles import COL, LINEAR, ROW, SCALAR, STRIDED
 
+from conftest import ON_CUDA
 from helpers import assert_matches_torch_sum, assert_sum_accurate, make_input
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -313,3 +314,17 @@ def test_errors_come_before_any_launch(device):
         with pytest.raises(RuntimeError):
             tfuse.add(torch.ones(2, 3, device=device), torch.ones(4, device=device))
     assert launches.total == 0
+
+
+@pytest.mark.skipif(
+    not ON_CUDA or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
+    reason="needs a GPU with 40 GB: four float16 tensors of 2**31 + 4099 elements "
+    "(the interpreter on a CPU would take hours; the int64 logic itself is tested above)",
+)
+def test_more_than_2_31_elements_on_gpu(device):
+    numel = 2**31 + 4099
+    inputs = [torch.randn(numel, device=device, dtype=torch.float16) for _ in range(3)]
+    out = run_add("triton", *inputs)
+    for start in (0, 2**31 - 2048, numel - 4096):
+        window = slice(start, start + 4096)
+        assert_sum_accurate(out[window], [t[window] for t in inputs])
