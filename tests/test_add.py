@@ -294,6 +294,26 @@ def test_sparse_tensor(device):
 def test_devices_differ():
     with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device.*cpu and meta"):
         tfuse.add(torch.ones(3), torch.ones(3, device="meta"))
+    with pytest.raises(RuntimeError, match=r"cpu and meta"):
+        tfuse.add(torch.ones(1), torch.ones(3, device="meta"))  # 1-dim, not a scalar
+
+
+def test_zero_dim_cpu_tensor_joins_another_device():
+    # torch treats a 0-dim CPU tensor as a scalar on any device; so does tfuse.
+    # (meta stands in for a GPU here; on a GPU machine the CUDA case runs below.)
+    out = tfuse.add(torch.ones(3, device="meta"), torch.tensor(2.0))
+    assert out.device.type == "meta" and out.shape == (3,)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="mixes CUDA and CPU tensors: needs a GPU")
+def test_zero_dim_cpu_tensor_with_cuda_tensors(device):
+    x = make_input((5, 7), torch.float32, device).requires_grad_()
+    scale = torch.tensor(0.5, requires_grad=True)
+    out = run_add("triton", x, scale)
+    torch.testing.assert_close(out, x + scale)
+    out.sum().backward()
+    assert scale.grad.device.type == "cpu"
+    torch.testing.assert_close(scale.grad, torch.tensor(35.0))
 
 
 @pytest.mark.parametrize(

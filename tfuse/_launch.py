@@ -11,8 +11,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 
 class LaunchCount:
@@ -70,9 +72,23 @@ def kernel_name(kernel: Any) -> str:
     return getattr(fn, "__name__", repr(kernel))
 
 
-def launch(kernel: Any, grid: tuple[int, ...] | Callable[..., tuple[int, ...]], *args: Any, **meta: Any) -> None:
-    """Launches ``kernel[grid](*args, **meta)`` and records it in the active counters."""
-    kernel[grid](*args, **meta)
+def launch(
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: tuple[Any, ...],
+    meta: dict[str, Any],
+    device: torch.device,
+) -> None:
+    """Launches ``kernel[grid](*args, **meta)`` on ``device``; records it in the active counters.
+
+    Triton launches on the *current* CUDA device, so tensors on another GPU
+    (``cuda:1`` while ``cuda:0`` is current) need the device switched first.
+    """
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
     if _active:
         name = kernel_name(kernel)
         with _lock:

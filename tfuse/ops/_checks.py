@@ -22,7 +22,7 @@ def check_tensor_args(op: str, args: Sequence[object], min_count: int, max_count
     Raises:
         TypeError: wrong number of arguments, a non-tensor argument, a sparse
             tensor, or a dtype the kernels do not support.
-        RuntimeError: tensors on different devices.
+        RuntimeError: tensors on different devices (0-dim CPU tensors excepted).
     """
     if not min_count <= len(args) <= max_count:
         raise TypeError(f"tfuse.{op} takes {min_count} to {max_count} tensors, got {len(args)}")
@@ -36,14 +36,22 @@ def check_tensor_args(op: str, args: Sequence[object], min_count: int, max_count
                 f"tfuse.{op}: argument {index} has layout {arg.layout}; only dense (strided) tensors are supported"
             )
         check_float_dtype(op, f"argument {index}", arg.dtype)
-    devices = {arg.device for arg in args}  # type: ignore[union-attr]
+    # As in torch, a 0-dim CPU tensor may join tensors of another device (it is
+    # a scalar); every other tensor must share one device.
+    tensors: Sequence[torch.Tensor] = args  # type: ignore[assignment]
+    devices = {t.device for t in tensors if not is_cpu_scalar(t)} or {tensors[0].device}
     if len(devices) > 1:
         names = sorted(str(d) for d in devices)
         raise RuntimeError(
             f"tfuse.{op}: Expected all tensors to be on the same device, but found at least "
             f"two devices, {names[0]} and {names[1]}!"
         )
-    return args[0].device  # type: ignore[union-attr]
+    return devices.pop()
+
+
+def is_cpu_scalar(tensor: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor, which torch lets take part in ops on any device."""
+    return tensor.dim() == 0 and tensor.device.type == "cpu"
 
 
 def check_float_dtype(op: str, what: str, dtype: torch.dtype) -> None:

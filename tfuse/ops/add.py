@@ -14,7 +14,7 @@ import torch
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
-from tfuse.ops._checks import broadcast_shape, check_tensor_args, promote_float_dtypes
+from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
 from tfuse.ops._tiles import NUM_WARPS, empty_broadcast_output, plan_tiles
 
 #: Most inputs one launch adds (each input is a pointer and a stride tuple of
@@ -44,10 +44,13 @@ def add(*tensors: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: fewer than 2 or more than 8 arguments, a non-tensor
             argument, a sparse tensor, or a non-floating dtype.
-        RuntimeError: tensors on different devices, shapes that do not
+        RuntimeError: tensors on different devices (a 0-dim CPU tensor may
+            join tensors of another device, as in torch), shapes that do not
             broadcast, or a forced backend that cannot run here.
     """
     device = check_tensor_args("add", tensors, 2, MAX_INPUTS)
+    if device.type != "cpu" and any(is_cpu_scalar(t) for t in tensors):
+        tensors = tuple(t.to(device) if is_cpu_scalar(t) else t for t in tensors)
     shape = broadcast_shape("add", [t.shape for t in tensors])
     dtype = promote_float_dtypes(tensors)
     backend = select_backend(device, "add")
@@ -72,7 +75,7 @@ def add_forward(
 
 def _add_triton(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     grid, args, meta = add_launch_args(out, tensors)
-    launch(kernels._add_fwd_kernel, grid, *args, **meta)
+    launch(kernels._add_fwd_kernel, grid, args, meta, out.device)
 
 
 def add_launch_args(
