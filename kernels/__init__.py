@@ -5,11 +5,5 @@ of tfuse. Launchers in :mod:`tfuse.ops` check inputs, allocate outputs, pick
 the grid and launch these kernels.
 """
 
-from .add import (  # noqa: F401
-    COL,
-    LINEAR,
-    ROW,
-    SCALAR,
-    STRIDED,
-    _add_fwd_kernel,
-)
+from .add import _add_fwd_kernel  # noqa: F401
+from .tiles import COL, LINEAR, ROW, SCALAR, STRIDED  # noqa: F401
