@@ -5,5 +5,7 @@ of tfuse. Launchers in :mod:`tfuse.ops` check inputs, allocate outputs, pick
 the grid and launch these kernels.
 """
 
+from . import activations  # noqa: F401
 from .add import _add_fwd_kernel  # noqa: F401
+from .add_act import _add_act_bwd_kernel, _add_act_fwd_kernel, _sum_partials_kernel  # noqa: F401
 from .tiles import COL, LINEAR, ROW, SCALAR, STRIDED  # noqa: F401

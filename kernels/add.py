@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .cast import _cast_to
-from .tiles import _sum_operands, _tile_of_program
+from .tiles import _sum_tile_of_program
 
 
 @triton.jit
@@ -43,18 +43,8 @@ def _add_fwd_kernel(
     EMULATE_BF16_RTNE: round bfloat16 output on the bits (interpreter only, see cast.py).
     ONE_ROW:     n_rows == 1 (then BLOCK_ROWS == 1).
     """
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows, cols, offsets, row_mask, col_mask, mask = _tile_of_program(
-        pid, n_rows, n_cols, ONE_ROW, BLOCK_ROWS, BLOCK_COLS
-    )
-    if ACC_FP64:
-        acc_dtype: tl.constexpr = tl.float64
-    else:
-        acc_dtype: tl.constexpr = tl.float32
-    acc = _sum_operands(
-        in_ptrs, in_strides, MODES, N_INPUTS, rows, cols, offsets, row_mask, col_mask, mask,
-        outer_sizes, OUTER_RANK, acc_dtype,
+    acc, offsets, mask = _sum_tile_of_program(
+        in_ptrs, in_strides, outer_sizes, n_rows, n_cols, N_INPUTS, MODES, OUTER_RANK, INDEX_64, ACC_FP64,
+        ONE_ROW, BLOCK_ROWS, BLOCK_COLS,
     )
     tl.store(out_ptr + offsets, _cast_to(acc, out_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)

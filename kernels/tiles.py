@@ -107,3 +107,29 @@ def _sum_operands(
             ptrs[i], strides[i], MODES[i], rows, cols, offsets, row_mask, col_mask, mask, outer_sizes, OUTER_RANK, dtype
         )
     return acc
+
+
+@triton.jit
+def _sum_tile_of_program(
+    in_ptrs, in_strides, outer_sizes, n_rows, n_cols, N_INPUTS: tl.constexpr, MODES: tl.constexpr,
+    OUTER_RANK: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr, ONE_ROW: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    """The sum of the inputs over this program's tile (float32, or float64 with
+    ACC_FP64), with the tile's output offsets and mask: the common body of the
+    one-pass elementwise kernels."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows, cols, offsets, row_mask, col_mask, mask = _tile_of_program(
+        pid, n_rows, n_cols, ONE_ROW, BLOCK_ROWS, BLOCK_COLS
+    )
+    if ACC_FP64:
+        acc_dtype: tl.constexpr = tl.float64
+    else:
+        acc_dtype: tl.constexpr = tl.float32
+    acc = _sum_operands(
+        in_ptrs, in_strides, MODES, N_INPUTS, rows, cols, offsets, row_mask, col_mask, mask,
+        outer_sizes, OUTER_RANK, acc_dtype,
+    )
+    return acc, offsets, mask

@@ -1,21 +1,23 @@
 """Compiles tfuse's kernels for an H100/H200 (sm_90) without a GPU.
 
 Run as a script with the interpreter OFF (it needs compiled JIT functions):
-``python tests/sm90_compile.py``. For each case it builds the exact arguments
-the launcher would pass, lets Triton specialise them as a launch would, and
-compiles to PTX and cubin with Triton's bundled ptxas. It prints one JSON line
-per case with the vector widths of the global loads and stores found in the
-PTX, so a test can check that contiguous inputs are read with 128-bit loads.
-This proves the kernels compile for the GPU with the installed Triton; it
-says nothing about speed.
+``python tests/sm90_compile.py [CASE ...]``. Each case runs real tfuse calls
+on CPU tensors with the launches captured instead of executed, then compiles
+every captured launch exactly as Triton would specialise it, to PTX and cubin
+with Triton's bundled ptxas. It prints one JSON line per launch with the
+vector widths of the global loads and stores in the PTX, so a test can check
+that contiguous operands use 128-bit accesses. This proves the kernels
+compile for the GPU with the installed Triton; it says nothing about speed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -25,9 +27,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from tfuse import kernels  # noqa: E402
-from tfuse.ops.add import add_launch_args  # noqa: E402
-from tfuse.ops._tiles import empty_broadcast_output  # noqa: E402
+import tfuse  # noqa: E402
+import tfuse.ops.add as add_op  # noqa: E402
+import tfuse.ops.add_act as add_act_op  # noqa: E402
+from tfuse._backend import Backend  # noqa: E402
+from tfuse._launch import kernel_name  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -42,13 +46,45 @@ def compile_for_sm90(kernel, args: tuple, meta: dict) -> str:
     return compiled.asm["ptx"]
 
 
-def add_case(shapes: list[tuple[int, ...]], dtype: torch.dtype, channels_last: bool = False) -> tuple[tuple, dict]:
-    inputs = [torch.empty(shape, dtype=dtype) for shape in shapes]
-    if channels_last:
-        inputs = [t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
-    out = empty_broadcast_output(inputs, torch.broadcast_shapes(*shapes), dtype)
-    _, args, meta = add_launch_args(out, inputs)
-    return args, meta
+@contextlib.contextmanager
+def captured_launches() -> Iterator[list]:
+    """Runs tfuse ops on CPU tensors as if on a GPU: the Triton path, launches recorded, not run."""
+    launches: list = []
+
+    def capture(kernel, grid, args, meta, device):
+        launches.append((kernel, args, meta))
+
+    saved = {}
+    for module in (add_op, add_act_op):
+        saved[module] = (module.launch, module.select_backend)
+        module.launch = capture
+        module.select_backend = lambda device, op: Backend.TRITON
+    try:
+        yield launches
+    finally:
+        for module, (launch, select) in saved.items():
+            module.launch, module.select_backend = launch, select
+
+
+def add_case(shapes, dtype, channels_last=False) -> Callable[[], None]:
+    def run():
+        inputs = [torch.empty(shape, dtype=dtype) for shape in shapes]
+        if channels_last:
+            inputs = [t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
+        tfuse.add(*inputs)
+    return run
+
+
+def add_act_case(x_shape, other_shapes, dtype, act, channels_last=False) -> Callable[[], None]:
+    """Forward and backward (every input requiring grad) of tfuse.add_act."""
+    def run():
+        x = torch.zeros(x_shape, dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        inputs = [x.requires_grad_()] + [torch.zeros(s, dtype=dtype, requires_grad=True) for s in other_shapes]
+        y = tfuse.add_act(*inputs, act=act)
+        y.backward(torch.zeros_like(y))
+    return run
 
 
 CASES = {
@@ -59,7 +95,15 @@ CASES = {
     "per_channel_nchw_bf16": add_case([(32, 64, 56, 56), (64, 1, 1), (32, 64, 56, 56)], torch.bfloat16),
     "per_channel_channels_last_fp16": add_case([(32, 64, 56, 56), (64, 1, 1)], torch.float16, channels_last=True),
     "strided_rank3_fp32": add_case([(8, 64, 33), (8, 1, 33), (1, 64, 1)], torch.float32),
-    "float64": add_case([(1000,), (1000,)], torch.float64),
+    "float64": add_case([(1024,), (1024,)], torch.float64),
+    "add_act_gelu_bias_bf16": add_act_case((4096, 1024), [(1024,)], torch.bfloat16, "gelu"),
+    "add_act_relu_bias_residual_fp32": add_act_case((4096, 1024), [(1024,), (4096, 1024)], torch.float32, "relu"),
+    "add_act_silu_per_channel_fp16": add_act_case((32, 64, 56, 56), [(64, 1, 1)], torch.float16, "silu"),
+    "add_act_tanh_strided_fp32": add_act_case((8, 64, 33), [(8, 1, 33), ()], torch.float32, "tanh"),
+    "add_act_gelu_tanh_alone_fp64": add_act_case((1024,), [], torch.float64, "gelu_tanh"),
+    "add_act_identity_channels_last_bf16": add_act_case((32, 64, 14, 14), [(64, 1, 1)], torch.bfloat16, "identity", channels_last=True),
+    "add_act_leaky_relu_fp32": add_act_case((512, 256), [(256,)], torch.float32, "leaky_relu"),
+    "add_act_sigmoid_fp16": add_act_case((512, 256), [(512, 1)], torch.float16, "sigmoid"),
 }
 
 
@@ -75,9 +119,16 @@ def main(names: list[str]) -> None:
     names = names or list(CASES)
     print(json.dumps({"planned": names}))
     for name in names:
-        args, meta = CASES[name]
-        ptx = compile_for_sm90(kernels._add_fwd_kernel, args, meta)
-        print(json.dumps({"case": name, "loads": sorted(set(vector_widths(ptx, "ld"))), "stores": sorted(set(vector_widths(ptx, "st")))}))
+        with captured_launches() as launches:
+            CASES[name]()
+        for kernel, args, meta in launches:
+            ptx = compile_for_sm90(kernel, args, meta)
+            print(json.dumps({
+                "case": name,
+                "kernel": kernel_name(kernel),
+                "loads": sorted(set(vector_widths(ptx, "ld"))),
+                "stores": sorted(set(vector_widths(ptx, "st"))),
+            }))
 
 
 if __name__ == "__main__":

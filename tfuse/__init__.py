@@ -14,7 +14,7 @@ ensure_kernels_importable()
 from tfuse import functional, kernels, nn  # noqa: E402
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
-from tfuse.functional import add  # noqa: E402
+from tfuse.functional import add, add_act  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "Backend",
     "LaunchCount",
     "add",
+    "add_act",
     "count_launches",
     "functional",
     "interpreter_active",

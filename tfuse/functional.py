@@ -1,5 +1,6 @@
 """The functional API of tfuse, in the manner of ``torch.nn.functional``."""
 
 from tfuse.ops.add import add
+from tfuse.ops.add_act import add_act
 
-__all__ = ["add"]
+__all__ = ["add", "add_act"]

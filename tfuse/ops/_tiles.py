@@ -40,6 +40,7 @@ class TilePlan:
         modes: addressing mode of each input (LINEAR ... STRIDED, see kernels/add.py).
         in_strides: per input, its merged strides (outer ones, then the column
             stride) for ROW/COL/STRIDED modes; a placeholder otherwise.
+        merged_strides: per input, its merged strides whatever its mode.
         index_64: offsets need int64.
         block_rows, block_cols: tile shape (powers of two).
     """
@@ -49,6 +50,7 @@ class TilePlan:
     outer_sizes: tuple[int, ...]
     modes: tuple[int, ...]
     in_strides: tuple[tuple[int, ...], ...]
+    merged_strides: tuple[tuple[int, ...], ...]
     index_64: bool
     block_rows: int
     block_cols: int
@@ -59,6 +61,21 @@ class TilePlan:
         row_tiles = -(-self.n_rows // self.block_rows)
         col_tiles = -(-self.n_cols // self.block_cols)
         return (row_tiles * col_tiles,)
+
+
+def tile_meta(plan: TilePlan, out: torch.Tensor, emulate_bf16_rtne: bool) -> dict[str, object]:
+    """Meta-parameters every one-pass tiled kernel takes (kernels/tiles.py)."""
+    return dict(
+        MODES=plan.modes,
+        OUTER_RANK=len(plan.outer_sizes),
+        INDEX_64=plan.index_64,
+        ACC_FP64=out.dtype == torch.float64,
+        EMULATE_BF16_RTNE=out.dtype == torch.bfloat16 and emulate_bf16_rtne,
+        ONE_ROW=plan.n_rows == 1,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        num_warps=NUM_WARPS,
+    )
 
 
 def expanded_strides(sizes: Sequence[int], strides: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
@@ -84,6 +101,14 @@ def plan_tiles(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> TilePlan:
     """
     layouts = tuple((tuple(t.shape), t.stride()) for t in inputs)
     return _plan(tuple(out.shape), out.stride(), layouts, INT32_LIMIT)
+
+
+def plan_layouts(
+    shape: Sequence[int], out_strides: Sequence[int], layouts: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> TilePlan:
+    """:func:`plan_tiles` from (sizes, strides) pairs, for operands that are not tensors yet."""
+    key = tuple((tuple(sizes), tuple(strides)) for sizes, strides in layouts)
+    return _plan(tuple(shape), tuple(out_strides), key, INT32_LIMIT)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -162,6 +187,7 @@ def _plan(
         outer_sizes=outer_sizes,
         modes=tuple(modes),
         in_strides=tuple(in_strides),
+        merged_strides=tuple(tuple(m) for m in merged[1:]),
         index_64=index_64,
         block_rows=block_rows,
         block_cols=block_cols,
@@ -181,3 +207,20 @@ def empty_broadcast_output(
         if tensor.shape == shape:
             return torch.empty_like(tensor, dtype=dtype)
     return torch.empty(shape, dtype=dtype, device=inputs[0].device)
+
+
+def reduced_grad_strides(input_shape: Sequence[int], out_shape: Sequence[int], out_strides: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for the gradient of an input broadcast to ``out_shape``.
+
+    The gradient's dimensions are laid out in the output's memory order, so
+    the merged dimensions of the gradient match those of the output and its
+    memory offsets are what the backward kernel's reduction indexes.
+    """
+    offset = len(out_shape) - len(input_shape)
+    order = sorted(range(len(input_shape)), key=lambda d: -out_strides[offset + d])
+    strides = [0] * len(input_shape)
+    running = 1
+    for dim in reversed(order):
+        strides[dim] = running
+        running *= max(input_shape[dim], 1)
+    return tuple(strides)

@@ -15,7 +15,7 @@ from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
-from tfuse.ops._tiles import NUM_WARPS, empty_broadcast_output, plan_tiles
+from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
 
 #: Most inputs one launch adds (each input is a pointer and a stride tuple of
 #: the kernel; past this, split the sum).
@@ -74,33 +74,14 @@ def add_forward(
 
 
 def _add_triton(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    grid, args, meta = add_launch_args(out, tensors)
-    launch(kernels._add_fwd_kernel, grid, args, meta, out.device)
-
-
-def add_launch_args(
-    out: torch.Tensor, tensors: Sequence[torch.Tensor]
-) -> tuple[tuple[int], tuple, dict]:
-    """Grid, positional arguments and meta-parameters of ``_add_fwd_kernel`` writing ``out``.
-
-    Separate from the launch so that tools can compile exactly what would run
-    (tests/sm90_compile.py builds the kernels for an H100/H200 without one).
-    """
     plan = plan_tiles(out, tensors)
-    args = (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols)
-    meta = dict(
-        N_INPUTS=len(tensors),
-        MODES=plan.modes,
-        OUTER_RANK=len(plan.outer_sizes),
-        INDEX_64=plan.index_64,
-        ACC_FP64=out.dtype == torch.float64,
-        EMULATE_BF16_RTNE=out.dtype == torch.bfloat16 and interpreter_active(),
-        ONE_ROW=plan.n_rows == 1,
-        BLOCK_ROWS=plan.block_rows,
-        BLOCK_COLS=plan.block_cols,
-        num_warps=NUM_WARPS,
+    launch(
+        kernels._add_fwd_kernel,
+        plan.grid,
+        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols),
+        dict(N_INPUTS=len(tensors), **tile_meta(plan, out, interpreter_active())),
+        out.device,
     )
-    return plan.grid, args, meta
 
 
 def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

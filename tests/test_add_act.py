@@ -1,0 +1,278 @@
+"""tfuse.add_act: values, gradients, saved tensors, launches and errors, on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tfuse
+import tfuse.ops.add_act as add_act_op
+from tfuse.ops import _tiles
+
+from conftest import ON_CUDA
+from helpers import make_input
+
+ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = ["triton", "torch"]
+
+# name: (x shape, other shapes, x layout)
+PATTERNS = {
+    "alone": ((37, 129), [], "contiguous"),
+    "bias_last_dim": ((37, 129), [(129,)], "contiguous"),
+    "bias_and_residual": ((37, 129), [(129,), (37, 129)], "contiguous"),
+    "per_channel": ((3, 6, 7, 5), [(6, 1, 1)], "contiguous"),
+    "per_channel_residual_channels_last": ((3, 6, 7, 5), [(6, 1, 1), (3, 6, 7, 5)], "channels_last"),
+    "scalar_and_transposed_x": ((17, 9), [()], "transposed"),
+    "strided_broadcast": ((2, 5, 6, 7), [(1, 5, 1, 7)], "contiguous"),
+    "three_others": ((4, 6, 5), [(4, 1, 5), (6, 1), (4, 6, 5)], "strided"),
+}
+
+TORCH_ACT = {
+    "relu": F.relu,
+    "leaky_relu": lambda z: F.leaky_relu(z, 0.2),
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "identity": lambda z: z,
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs and gradient buffers start as NaN, so an unwritten element fails."""
+    allocate = _tiles.empty_broadcast_output
+    monkeypatch.setattr(add_act_op, "empty_broadcast_output", lambda *a, **k: allocate(*a, **k).fill_(float("nan")))
+    empty_grad = add_act_op._empty_grad
+    monkeypatch.setattr(add_act_op, "_empty_grad", lambda *a, **k: empty_grad(*a, **k).fill_(float("nan")))
+
+
+def make_operands(pattern: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    x_shape, other_shapes, layout = PATTERNS[pattern]
+    return [make_input(x_shape, dtype, device, layout)] + [make_input(s, dtype, device) for s in other_shapes]
+
+
+def reference(inputs: list[torch.Tensor], act: str, grad: torch.Tensor, output: torch.Tensor, slope: float = 0.2):
+    """torch eager on the same values: the output and the input gradients.
+
+    The sum and activation run in float32 and are rounded once, as the kernel
+    does. Activations whose backward uses their output (torch's
+    sigmoid/tanh/threshold/leaky_relu backward kernels) get the ``output``
+    under test, rounded as stored: near saturation 1 - y*y from a float16 y is
+    ill-conditioned, so a one-ulp difference in the forward (checked on its
+    own) would otherwise show up as a large one in the gradient. The others
+    are differentiated at the float32 pre-activation.
+    """
+    z = sum(t.detach().float() for t in inputs)
+    z = z.requires_grad_()
+    fn = (lambda t: F.leaky_relu(t, slope)) if act == "leaky_relu" else TORCH_ACT[act]
+    y = fn(z)
+    dy = grad.float()
+    stored = output.detach().float()
+    aten = torch.ops.aten
+    if act == "sigmoid":
+        dz = aten.sigmoid_backward(dy, stored)
+    elif act == "tanh":
+        dz = aten.tanh_backward(dy, stored)
+    elif act == "relu":
+        dz = aten.threshold_backward(dy, stored, 0.0)
+    elif act == "leaky_relu" and slope >= 0:
+        dz = aten.leaky_relu_backward(dy, stored, slope, True)
+    else:
+        (dz,) = torch.autograd.grad(y, z, dy)
+    grads = [dz if t.shape == dz.shape else dz.sum_to_size(t.shape) for t in inputs]
+    return y.detach(), grads
+
+
+def expected_backward_launches(inputs: list[torch.Tensor]) -> int:
+    reduced = any(t.shape != inputs[0].shape for t in inputs if t.requires_grad)
+    return 2 if reduced else 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("act", ACTS)
+def test_values_and_gradients_match_torch(act, pattern, dtype, backend, device):
+    inputs = [t.requires_grad_() for t in make_operands(pattern, dtype, device)]
+    with tfuse.use_backend(backend):
+        with tfuse.count_launches() as forward:
+            y = tfuse.add_act(*inputs, act=act, negative_slope=0.2)
+        grad = torch.randn_like(y)
+        with tfuse.count_launches() as backward:
+            grads = torch.autograd.grad(y, inputs, grad)
+    expected_y, expected_grads = reference(inputs, act, grad, y)
+    assert y.dtype == dtype and y.shape == inputs[0].shape
+    torch.testing.assert_close(y, expected_y.to(dtype))
+    for mine, theirs, t in zip(grads, expected_grads, inputs):
+        assert mine.dtype == t.dtype and mine.shape == t.shape
+        torch.testing.assert_close(mine, theirs.to(t.dtype))
+    if backend == "triton":
+        assert forward.by_kernel == {"_add_act_fwd_kernel": 1}
+        assert backward.total == expected_backward_launches(inputs)
+    else:
+        assert forward.total == backward.total == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ACTS)
+def test_gradcheck_float64(act, backend, device):
+    x = make_input((5, 7), torch.float64, device).requires_grad_()
+    bias = make_input((7,), torch.float64, device).requires_grad_()
+    scale = make_input((5, 1), torch.float64, device).requires_grad_()
+
+    def fn(x, bias, scale):
+        return tfuse.add_act(x, bias, scale, act=act, negative_slope=0.3)
+
+    with tfuse.use_backend(backend):
+        assert torch.autograd.gradcheck(fn, (x, bias, scale))
+
+
+@pytest.mark.parametrize(
+    "act, slope, saves",
+    [
+        ("relu", 0.01, "output"),
+        ("sigmoid", 0.01, "output"),
+        ("tanh", 0.01, "output"),
+        ("leaky_relu", 0.1, "output"),
+        ("leaky_relu", -0.1, "inputs"),
+        ("gelu", 0.01, "inputs"),
+        ("gelu_tanh", 0.01, "inputs"),
+        ("silu", 0.01, "inputs"),
+        ("identity", 0.01, "nothing"),
+    ],
+)
+def test_saves_only_what_the_derivative_needs(act, slope, saves, device):
+    x = make_input((8, 16), torch.float32, device).requires_grad_()
+    bias = make_input((16,), torch.float32, device).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = tfuse.add_act(x, bias, act=act, negative_slope=slope)
+    storages = {t.untyped_storage().data_ptr() for t in saved}
+    expected = {
+        "output": {y.untyped_storage().data_ptr()},
+        "inputs": {x.untyped_storage().data_ptr(), bias.untyped_storage().data_ptr()},
+        "nothing": set(),
+    }[saves]
+    assert storages == expected
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(bias.grad, _derivative(x, bias, act, slope).sum(0))
+
+
+def _derivative(x: torch.Tensor, bias: torch.Tensor, act: str, slope: float) -> torch.Tensor:
+    z = (x.detach() + bias.detach()).requires_grad_()
+    fn = (lambda t: F.leaky_relu(t, slope)) if act == "leaky_relu" else TORCH_ACT[act]
+    (d,) = torch.autograd.grad(fn(z).sum(), z)
+    return d
+
+
+def test_inputs_without_grad_cost_nothing(device):
+    x = make_input((16, 32), torch.float32, device).requires_grad_()
+    bias = make_input((32,), torch.float32, device)  # no grad: no reduction at all
+    y = tfuse.add_act(x, bias, act="gelu")
+    with tfuse.count_launches() as backward:
+        y.backward(torch.randn_like(y))
+    assert backward.by_kernel == {"_add_act_bwd_kernel": 1}
+    assert bias.grad is None
+
+
+def test_full_size_gradients_share_one_buffer(device):
+    x = make_input((6, 10), torch.float32, device).requires_grad_()
+    residual = make_input((6, 10), torch.float32, device).requires_grad_()
+    y = tfuse.add_act(x, residual, act="relu")
+    gx, gr = torch.autograd.grad(y, (x, residual), torch.randn_like(y))
+    assert gx.data_ptr() == gr.data_ptr()  # like torch's add: one tensor for both
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sum_backward_with_expanded_gradient(backend, device):
+    # y.sum().backward() hands backward a stride-0 gradient.
+    x = make_input((9, 33), torch.float32, device).requires_grad_()
+    bias = make_input((33,), torch.float32, device).requires_grad_()
+    with tfuse.use_backend(backend):
+        tfuse.add_act(x, bias, act="silu").sum().backward()
+    d = _derivative(x, bias, "silu", 0.0)
+    torch.testing.assert_close(x.grad, d)
+    torch.testing.assert_close(bias.grad, d.sum(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_size(backend, device):
+    x = make_input((0, 5), torch.float32, device).requires_grad_()
+    bias = make_input((5,), torch.float32, device).requires_grad_()
+    with tfuse.use_backend(backend), tfuse.count_launches() as launches:
+        y = tfuse.add_act(x, bias, act="gelu")
+        y.sum().backward()
+    assert y.shape == (0, 5) and launches.total == 0
+    assert (bias.grad == 0).all() and x.grad.shape == (0, 5)
+
+
+def test_int64_offsets_path(monkeypatch, device):
+    monkeypatch.setattr(_tiles, "INT32_LIMIT", 500)
+    x = make_input((37, 129), torch.float32, device).requires_grad_()
+    bias = make_input((129,), torch.float32, device).requires_grad_()
+    y = tfuse.add_act(x, bias, act="gelu_tanh")
+    assert _tiles.plan_tiles(y, [x, bias]).index_64
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected_y, (gx, gb) = reference([x, bias], "gelu_tanh", grad, y)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(bias.grad, gb)
+
+
+@pytest.mark.parametrize("act", ["tanh", "gelu_tanh"])
+def test_tanh_is_accurate_near_zero_and_saturates(act, device):
+    # 1 - 2 / (exp(2x) + 1) loses every digit near 0; the kernel must not.
+    z = torch.tensor([1e-7, -3e-6, 1e-4, 0.01, 0.3, 5.0, -20.0, 80.0, -200.0], device=device)
+    y = tfuse.add_act(z, act=act)
+    torch.testing.assert_close(y, TORCH_ACT[act](z.double()).float(), rtol=2e-6, atol=0)
+
+
+def test_functional_and_top_level_are_the_same(device):
+    assert tfuse.functional.add_act is tfuse.add_act
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unknown_activation_lists_the_supported_ones(device):
+    with pytest.raises(ValueError, match=r"unknown activation 'swish'; supported: relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, identity"):
+        tfuse.add_act(torch.ones(3, device=device), act="swish")
+
+
+def test_too_many_others(device):
+    t = torch.ones(3, device=device)
+    with pytest.raises(TypeError, match=r"takes x and 0 to 3 other tensors, got 4 others"):
+        tfuse.add_act(t, t, t, t, t)
+
+
+def test_others_must_broadcast_to_x(device):
+    with pytest.raises(RuntimeError, match=r"argument 1 of shape \[3, 5\] does not broadcast to x's shape \[5\]"):
+        tfuse.add_act(torch.ones(5, device=device), torch.ones(3, 5, device=device))
+    with pytest.raises(RuntimeError, match=r"size of tensor 0 \(5\) must match the size of tensor 1 \(4\)"):
+        tfuse.add_act(torch.ones(5, device=device), torch.ones(4, device=device))
+
+
+@pytest.mark.parametrize("bad, message", [(None, "x must be a torch.Tensor, got NoneType"), (2.0, "x must be a torch.Tensor, got float")])
+def test_x_must_be_a_tensor(bad, message):
+    with pytest.raises(TypeError, match=message):
+        tfuse.add_act(bad)
+
+
+def test_bad_act_and_slope_types(device):
+    t = torch.ones(3, device=device)
+    with pytest.raises(TypeError, match=r"act must be a string"):
+        tfuse.add_act(t, act=F.relu)
+    with pytest.raises(TypeError, match=r"negative_slope must be a number, got str"):
+        tfuse.add_act(t, act="leaky_relu", negative_slope="0.1")
+    with pytest.raises(ValueError, match=r"negative_slope must be finite, got nan"):
+        tfuse.add_act(t, act="leaky_relu", negative_slope=float("nan"))
+
+
+def test_integer_input(device):
+    with pytest.raises(TypeError, match=r"argument 1 has dtype torch.int64"):
+        tfuse.add_act(torch.ones(3, device=device), torch.ones(3, dtype=torch.int64, device=device))

@@ -1,0 +1,352 @@
+"""``tfuse.add_act``: act(x + others...) in one launch forward, at most two backward.
+
+What backward keeps (saved tensors), by activation:
+
+* identity: nothing.
+* relu, sigmoid, tanh, leaky_relu with negative_slope >= 0: the output y
+  (their derivative follows from y), which the next layer usually keeps anyway.
+* gelu, gelu_tanh, silu, leaky_relu with negative_slope < 0: the inputs x and
+  others, and backward recomputes z = x + others; forward writes only y, and
+  no pre-activation tensor is ever stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from tfuse import kernels
+from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._launch import launch
+from tfuse.ops._activations import (
+    ACTIVATIONS,
+    check_activation,
+    grad_from_output,
+    torch_act,
+    torch_act_grad,
+    torch_act_grad_from_output,
+)
+from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
+from tfuse.ops._tiles import (
+    COL,
+    LINEAR,
+    NUM_WARPS,
+    ROW,
+    SCALAR,
+    TilePlan,
+    empty_broadcast_output,
+    plan_layouts,
+    plan_tiles,
+    reduced_grad_strides,
+    tile_meta,
+)
+from tfuse.ops.add import add_forward
+
+#: Most tensors added to x before the activation.
+MAX_OTHERS = 3
+#: Stage-2 reduction tile: partial rows x gradient elements per step.
+_SUM_BLOCK_PARTIALS = 16
+_SUM_BLOCK_ELEMENTS = 128
+
+
+def add_act(x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_slope: float = 0.01) -> torch.Tensor:
+    """``act(x + others...)`` in one kernel launch, with a fused backward.
+
+    ``others`` are 0 to 3 tensors that broadcast to ``x``'s shape: a bias over
+    the last dimension, a per-channel ``[C, 1, 1]`` bias, a same-shape
+    residual. Activations: relu, leaky_relu (``negative_slope``), gelu (erf
+    form), gelu_tanh, silu, sigmoid, tanh, identity; values and gradients match
+    torch.nn.functional. Computation is float32 (float64 for float64) with one
+    rounding to the result dtype, which follows torch's promotion of
+    ``x + others``.
+
+    Backward computes the gradient of every input that requires one in one
+    launch, plus one small launch that finishes the float32 reductions of
+    broadcast inputs (bias gradients). What it saves: see the module docstring
+    (the output for relu/leaky_relu/sigmoid/tanh, the inputs for
+    gelu/gelu_tanh/silu, nothing for identity).
+
+    Example:
+        >>> import torch, tfuse
+        >>> x, bias = torch.randn(8, 32), torch.randn(32)
+        >>> y = tfuse.add_act(x, bias, act="gelu")
+        >>> torch.allclose(y, torch.nn.functional.gelu(x + bias), atol=1e-6)
+        True
+
+    Raises:
+        TypeError: a non-tensor, non-floating or sparse input; more than 3
+            others; a non-string ``act`` or non-number ``negative_slope``.
+        ValueError: an unknown activation name.
+        RuntimeError: inputs on different devices, or others that do not
+            broadcast to ``x``'s shape.
+    """
+    act, negative_slope = check_activation("add_act", act, negative_slope)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tfuse.add_act: x must be a torch.Tensor, got {type(x).__name__}")
+    if len(others) > MAX_OTHERS:
+        raise TypeError(f"tfuse.add_act takes x and 0 to {MAX_OTHERS} other tensors, got {len(others)} others")
+    tensors = (x, *others)
+    device = check_tensor_args("add_act", tensors, 1, MAX_OTHERS + 1)
+    if device.type != "cpu" and any(is_cpu_scalar(t) for t in tensors):
+        tensors = tuple(t.to(device) if is_cpu_scalar(t) else t for t in tensors)
+    shape = broadcast_shape("add_act", [t.shape for t in tensors])
+    if shape != x.shape:
+        culprit = next(i for i, t in enumerate(tensors) if len(t.shape) > x.dim() or broadcast_shape("add_act", [x.shape, t.shape]) != x.shape)
+        raise RuntimeError(
+            f"tfuse.add_act: argument {culprit} of shape {list(tensors[culprit].shape)} does not broadcast "
+            f"to x's shape {list(x.shape)} (the output has x's shape)"
+        )
+    dtype = promote_float_dtypes(tensors)
+    backend = select_backend(device, "add_act")
+    spec = _ActSpec(act, negative_slope, backend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _AddActFunction.apply(spec, dtype, *tensors)
+    return add_act_forward(tensors, dtype, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ActSpec:
+    act: str
+    negative_slope: float
+    backend: Backend
+
+    @property
+    def code(self) -> int:
+        return ACTIVATIONS[self.act]
+
+
+def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
+    """``act(sum(tensors))`` into a new tensor shaped and laid out like ``tensors[0]``."""
+    out = empty_broadcast_output(tensors, tensors[0].shape, dtype)
+    if out.numel() == 0:
+        return out
+    if spec.backend is Backend.TRITON:
+        plan = plan_tiles(out, tensors)
+        launch(
+            kernels._add_act_fwd_kernel,
+            plan.grid,
+            (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols, spec.negative_slope),
+            dict(N_INPUTS=len(tensors), ACT=spec.code, **tile_meta(plan, out, interpreter_active())),
+            out.device,
+        )
+    else:
+        z = _sum_torch(tensors, _acc_dtype(dtype))
+        out.copy_(torch_act(z, spec.act, spec.negative_slope))
+    return out
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _sum_torch(tensors: Sequence[torch.Tensor], acc_dtype: torch.dtype) -> torch.Tensor:
+    """z = sum(tensors) in ``acc_dtype``, laid out like the first tensor (PyTorch path)."""
+    if len(tensors) == 1:
+        return tensors[0].to(acc_dtype)
+    return add_forward(tensors, tensors[0].shape, acc_dtype, Backend.TORCH)
+
+
+class _AddActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: _ActSpec, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]
+        out = add_act_forward(tensors, dtype, spec)
+        ctx.spec = spec
+        ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
+        ctx.out_layout = (out.shape, out.stride())
+        ctx.from_output = grad_from_output(spec.act, spec.negative_slope)
+        if spec.act == "identity":
+            ctx.save_for_backward()
+        elif ctx.from_output:
+            ctx.save_for_backward(out)
+        else:
+            ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        needed = ctx.needs_input_grad[2:]
+        saved = ctx.saved_tensors
+        if ctx.spec.backend is Backend.TRITON:
+            grads = _backward_triton(ctx, grad_out, saved, needed)
+        else:
+            grads = _backward_torch(ctx, grad_out, saved, needed)
+        return (None, None, *grads)
+
+
+def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], needed: Sequence[bool]) -> list:
+    spec = ctx.spec
+    acc_dtype = torch.float64 if torch.float64 in (grad_out.dtype, *(d for _, d in ctx.input_meta)) else torch.float32
+    dy = grad_out.to(acc_dtype)
+    if spec.act == "identity":
+        dz = dy
+    elif ctx.from_output:
+        dz = dy * torch_act_grad_from_output(saved[0].to(acc_dtype), spec.act, spec.negative_slope)
+    else:
+        dz = dy * torch_act_grad(_sum_torch(saved, acc_dtype), spec.act, spec.negative_slope)
+    grads = []
+    for (shape, dtype), need in zip(ctx.input_meta, needed):
+        if not need:
+            grads.append(None)
+            continue
+        grad = dz if shape == dz.shape else dz.sum_to_size(shape)
+        grads.append(grad.to(dtype))
+    return grads
+
+
+def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], needed: Sequence[bool]) -> list:
+    spec = ctx.spec
+    out_shape, out_strides = ctx.out_layout
+    device = grad_out.device
+    if math.prod(out_shape) == 0:
+        return [torch.zeros(shape, dtype=dtype, device=device) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)]
+
+    # One gradient buffer per slot: full-size inputs of one dtype share one
+    # buffer (their gradients are equal); broadcast inputs get their own.
+    slots: list[tuple[torch.Tensor, list[int]]] = []
+    full_size_slot: dict[torch.dtype, int] = {}
+    for index, ((shape, dtype), need) in enumerate(zip(ctx.input_meta, needed)):
+        if not need:
+            continue
+        if shape == out_shape:
+            if dtype not in full_size_slot:
+                full_size_slot[dtype] = len(slots)
+                slots.append((_empty_grad(out_shape, out_strides, dtype, device), []))
+            slots[full_size_slot[dtype]][1].append(index)
+        else:
+            strides = reduced_grad_strides(shape, out_shape, out_strides)
+            slots.append((_empty_grad(shape, strides, dtype, device), [index]))
+
+    sources = () if spec.act == "identity" else tuple(saved)
+    operands = [grad_out, *sources, *(grad for grad, _ in slots)]
+    plan = plan_layouts(out_shape, out_strides, [(tuple(t.shape), t.stride()) for t in operands])
+    n_src = len(sources)
+    grad_modes = plan.modes[1 + n_src :]
+    grad_strides = plan.merged_strides[1 + n_src :]
+
+    n_col_blocks = -(-plan.n_cols // plan.block_cols)
+    row_chunks = -(-plan.n_rows // plan.block_rows)
+    groups = min(row_chunks, max(1, _target_programs(device) // n_col_blocks))
+    rows_per_group = -(-row_chunks // groups) * plan.block_rows
+    groups = -(-plan.n_rows // rows_per_group)
+
+    acc_dtype = torch.float64 if any(grad.dtype == torch.float64 for grad, _ in slots) or grad_out.dtype == torch.float64 else torch.float32
+    partials, red_strides, numels, n_bcasts = [], [], [], []
+    for (grad, _), mode, strides in zip(slots, grad_modes, grad_strides):
+        red, n_bcast = _broadcast_row_strides(plan, strides)
+        numel = grad.numel()
+        if mode == LINEAR:
+            partial, n_partials = grad, 0
+        elif mode == COL:
+            n_partials = groups
+        elif mode == SCALAR:
+            n_partials = groups * n_col_blocks
+        elif mode == ROW:
+            n_partials = n_col_blocks * n_bcast
+        else:  # STRIDED: dz itself, per broadcast coordinate
+            n_partials = n_bcast
+        if mode != LINEAR:
+            partial = torch.empty(n_partials * numel, dtype=acc_dtype, device=device)
+        partials.append((partial, n_partials))
+        red_strides.append(red)
+        numels.append(numel)
+        n_bcasts.append(n_bcast)
+
+    index_64 = plan.index_64 or any(p.numel() >= 2**31 - 1 for p, _ in partials)
+    launch(
+        kernels._add_act_bwd_kernel,
+        (n_col_blocks, groups),
+        (
+            grad_out,
+            plan.in_strides[0],
+            sources,
+            plan.in_strides[1 : 1 + n_src],
+            tuple(p for p, _ in partials),
+            grad_strides,
+            tuple(red_strides),
+            tuple(numels),
+            tuple(n_bcasts),
+            plan.outer_sizes,
+            plan.n_rows,
+            plan.n_cols,
+            rows_per_group,
+            spec.negative_slope,
+        ),
+        dict(
+            DY_MODE=plan.modes[0],
+            N_SRC=n_src,
+            SRC_MODES=plan.modes[1 : 1 + n_src],
+            FROM_OUTPUT=ctx.from_output,
+            N_GRADS=len(slots),
+            GRAD_MODES=grad_modes,
+            OUTER_RANK=len(plan.outer_sizes),
+            ACT=spec.code,
+            INDEX_64=index_64,
+            ACC_FP64=acc_dtype == torch.float64,
+            EMULATE_BF16_RTNE=interpreter_active(),
+            ONE_ROW=plan.n_rows == 1,
+            BLOCK_ROWS=plan.block_rows,
+            BLOCK_COLS=plan.block_cols,
+            num_warps=NUM_WARPS,
+        ),
+        device,
+    )
+
+    reduced = [(p, n, grad) for (p, n), (grad, _), mode in zip(partials, slots, grad_modes) if mode != LINEAR]
+    if reduced:
+        largest = max(grad.numel() for _, _, grad in reduced)
+        launch(
+            kernels._sum_partials_kernel,
+            (-(-largest // _SUM_BLOCK_ELEMENTS),),
+            (
+                tuple(p for p, _, _ in reduced),
+                tuple(grad for _, _, grad in reduced),
+                tuple(n for _, n, _ in reduced),
+                tuple(grad.numel() for _, _, grad in reduced),
+            ),
+            dict(
+                N=len(reduced),
+                INDEX_64=any(p.numel() >= 2**31 - 1 for p, _, _ in reduced),
+                EMULATE_BF16_RTNE=interpreter_active(),
+                BLOCK_PARTIALS=_SUM_BLOCK_PARTIALS,
+                BLOCK_ELEMENTS=_SUM_BLOCK_ELEMENTS,
+                num_warps=NUM_WARPS,
+            ),
+            device,
+        )
+
+    grads: list[torch.Tensor | None] = [None] * len(ctx.input_meta)
+    for grad, indices in slots:
+        for index in indices:
+            grads[index] = grad
+    return grads
+
+
+def _empty_grad(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A gradient buffer; every element is written by the backward kernels."""
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device=device)
+
+
+def _broadcast_row_strides(plan: TilePlan, strides: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """Strides over the merged outer dims that index the broadcast coordinates of an operand.
+
+    Outer dims where the operand's stride is 0 get contiguous strides (innermost
+    first); the others 0. Returns those strides (plus a trailing 0 for the
+    column dim) and the number of broadcast coordinates.
+    """
+    red = [0] * (len(plan.outer_sizes) + 1)
+    running = 1
+    for dim in range(len(plan.outer_sizes) - 1, -1, -1):
+        if strides[dim] == 0:
+            red[dim] = running
+            running *= plan.outer_sizes[dim]
+    return tuple(red), running
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs the backward grid aims for: a few per SM on a GPU, few under the interpreter."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
