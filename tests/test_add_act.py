@@ -276,3 +276,40 @@ def test_bad_act_and_slope_types(device):
 def test_integer_input(device):
     with pytest.raises(TypeError, match=r"argument 1 has dtype torch.int64"):
         tfuse.add_act(torch.ones(3, device=device), torch.ones(3, dtype=torch.int64, device=device))
+
+
+# ---------------------------------------------------------------- inplace
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ["relu", "sigmoid", "tanh", "leaky_relu", "identity"])
+def test_inplace_writes_into_x_with_the_same_values_and_gradients(act, backend, device):
+    base = make_input((12, 40), torch.float32, device)
+    bias = make_input((40,), torch.float32, device).requires_grad_()
+    leaf = base.clone().requires_grad_()
+    x = leaf * 1.0  # not a leaf: in-place is allowed, as for torch's relu_
+    with tfuse.use_backend(backend):
+        y = tfuse.add_act(x, bias, act=act, negative_slope=0.2, inplace=True)
+    assert y.data_ptr() == x.data_ptr()
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected_y, (gx, gb) = reference([base, bias], act, grad, y)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(leaf.grad, gx)
+    torch.testing.assert_close(bias.grad, gb)
+
+
+def test_inplace_errors(device):
+    x = make_input((4, 8), torch.float32, device)
+    bias = make_input((8,), torch.float32, device)
+    with pytest.raises(ValueError, match=r"inplace=True needs an activation whose gradient follows from its output.*gelu"):
+        tfuse.add_act(x, bias, act="gelu", inplace=True)
+    with pytest.raises(ValueError, match=r"writes into x of dtype torch.float16, but the result is torch.float32"):
+        tfuse.add_act(x.half(), bias, inplace=True)
+    with pytest.raises(ValueError, match=r"needs a dense x"):
+        tfuse.add_act(x[:, ::2], bias[::2], inplace=True)
+    with pytest.raises(ValueError, match=r"share no memory with x"):
+        tfuse.add_act(x, x[0], inplace=True)
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"leaf Variable that requires grad"):
+        tfuse.add_act(leaf, bias, inplace=True)

@@ -52,7 +52,9 @@ _SUM_BLOCK_PARTIALS = 16
 _SUM_BLOCK_ELEMENTS = 128
 
 
-def add_act(x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_slope: float = 0.01) -> torch.Tensor:
+def add_act(
+    x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_slope: float = 0.01, inplace: bool = False
+) -> torch.Tensor:
     """``act(x + others...)`` in one kernel launch, with a fused backward.
 
     ``others`` are 0 to 3 tensors that broadcast to ``x``'s shape: a bias over
@@ -69,6 +71,12 @@ def add_act(x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_
     (the output for relu/leaky_relu/sigmoid/tanh, the inputs for
     gelu/gelu_tanh/silu, nothing for identity).
 
+    With ``inplace=True`` the result is written into ``x`` (as
+    ``F.relu(x, inplace=True)``), which saves allocating the output. It needs
+    an activation whose gradient follows from its output (relu, sigmoid, tanh,
+    leaky_relu with negative_slope >= 0) or identity, ``x`` in the result
+    dtype, dense, and sharing no memory with ``others``.
+
     Example:
         >>> import torch, tfuse
         >>> x, bias = torch.randn(8, 32), torch.randn(32)
@@ -79,7 +87,9 @@ def add_act(x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_
     Raises:
         TypeError: a non-tensor, non-floating or sparse input; more than 3
             others; a non-string ``act`` or non-number ``negative_slope``.
-        ValueError: an unknown activation name.
+        ValueError: an unknown activation name; ``inplace=True`` with an
+            activation that needs its input, or with an ``x`` that cannot hold
+            the result.
         RuntimeError: inputs on different devices, or others that do not
             broadcast to ``x``'s shape.
     """
@@ -100,11 +110,43 @@ def add_act(x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_
             f"to x's shape {list(x.shape)} (the output has x's shape)"
         )
     dtype = promote_float_dtypes(tensors)
+    if inplace:
+        _check_inplace(act, negative_slope, tensors, dtype)
     backend = select_backend(device, "add_act")
-    spec = _ActSpec(act, negative_slope, backend)
+    spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _AddActFunction.apply(spec, dtype, *tensors)
     return add_act_forward(tensors, dtype, spec)
+
+
+def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    x = tensors[0]
+    if act != "identity" and not grad_from_output(act, negative_slope):
+        raise ValueError(
+            f"tfuse.add_act: inplace=True needs an activation whose gradient follows from its output "
+            f"(relu, sigmoid, tanh, leaky_relu with negative_slope >= 0, identity); {act} "
+            f"(negative_slope={negative_slope}) needs its input, which inplace would overwrite"
+        )
+    if x.dtype != dtype:
+        raise ValueError(f"tfuse.add_act: inplace=True writes into x of dtype {x.dtype}, but the result is {dtype}")
+    if not _is_dense(x):
+        raise ValueError(
+            f"tfuse.add_act: inplace=True needs a dense x (no overlapping or skipped elements); "
+            f"x has shape {list(x.shape)} and strides {list(x.stride())}"
+        )
+    storage = x.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in tensors[1:]):
+        raise ValueError("tfuse.add_act: inplace=True needs others that share no memory with x")
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when the elements of ``t`` fill a block of memory exactly once, in some dimension order."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +154,7 @@ class _ActSpec:
     act: str
     negative_slope: float
     backend: Backend
+    inplace: bool = False
 
     @property
     def code(self) -> int:
@@ -119,8 +162,8 @@ class _ActSpec:
 
 
 def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
-    """``act(sum(tensors))`` into a new tensor shaped and laid out like ``tensors[0]``."""
-    out = empty_broadcast_output(tensors, tensors[0].shape, dtype)
+    """``act(sum(tensors))`` into a new tensor shaped and laid out like ``tensors[0]`` (or into it, inplace)."""
+    out = tensors[0] if spec.inplace else empty_broadcast_output(tensors, tensors[0].shape, dtype)
     if out.numel() == 0:
         return out
     if spec.backend is Backend.TRITON:
@@ -153,6 +196,8 @@ class _AddActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _ActSpec, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]
         out = add_act_forward(tensors, dtype, spec)
+        if spec.inplace:
+            ctx.mark_dirty(out)
         ctx.spec = spec
         ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
         ctx.out_layout = (out.shape, out.stride())
