@@ -313,3 +313,14 @@ def test_inplace_errors(device):
     leaf = x.clone().requires_grad_()
     with pytest.raises(RuntimeError, match=r"leaf Variable that requires grad"):
         tfuse.add_act(leaf, bias, inplace=True)
+
+
+def test_autocast_leaves_add_act_alone_as_it_does_add_and_activations(device):
+    # Autocast does not cast add or activations, so act(x + b) keeps the inputs' dtype.
+    x = make_input((4, 8), torch.float32, device)
+    bias = make_input((8,), torch.float32, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = tfuse.add_act(x, bias, act="gelu")
+        expected = F.gelu(x + bias)
+    assert y.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(y, expected)

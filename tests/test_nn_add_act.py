@@ -197,3 +197,10 @@ def test_fused_linear_launches(device):
         y.sum().backward()
     assert forward.by_kernel == {"_add_act_fwd_kernel": 1}
     assert backward.by_kernel == {"_add_act_bwd_kernel": 1, "_sum_partials_kernel": 1}
+
+
+def test_fused_linear_mixed_parameter_dtypes_are_an_error(device):
+    layer = FusedLinear(4, 3, device=device)
+    layer.bias.data = layer.bias.data.double()
+    with pytest.raises(RuntimeError, match=r"bias has dtype torch.float64 but the product of input and weight has torch.float32"):
+        layer(torch.ones(2, 4, device=device))

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as torch_F
 from torch import nn
 
-from tfuse import functional as F
 from tfuse.ops._activations import check_activation, grad_from_output
+from tfuse.ops.add_act import linear_epilogue
 
 
 class FusedLinear(nn.Linear):
@@ -71,21 +71,23 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = torch_F.linear(x, self.weight)
-        if self.bias is None:
-            if self.act == "identity":
-                return product
-            others: tuple[torch.Tensor, ...] = ()
-        else:
-            bias = self.bias
-            if torch.is_autocast_enabled(product.device.type) and bias.dtype != product.dtype:
-                bias = bias.to(product.dtype)  # nn.Linear's addmm casts its bias the same way
-            others = (bias,)
+        bias = self.bias
+        if bias is None and self.act == "identity":
+            return product
+        if bias is not None and bias.dtype != product.dtype:
+            if not torch.is_autocast_enabled(product.device.type):
+                raise RuntimeError(
+                    f"nn.FusedLinear: bias has dtype {bias.dtype} but the product of input and weight has "
+                    f"{product.dtype}; keep the layer's parameters in one dtype (or use torch.autocast)"
+                )
+            bias = bias.to(product.dtype)  # nn.Linear's addmm casts its bias the same way
         # The product is ours alone: activations whose gradient follows from
         # their output overwrite it instead of allocating a second tensor.
-        result_dtype = torch.promote_types(product.dtype, others[0].dtype) if others else product.dtype
-        output_suffices = self.act == "identity" or grad_from_output(self.act, self.negative_slope)
-        inplace = output_suffices and result_dtype == product.dtype
-        return F.add_act(product, *others, act=self.act, negative_slope=self.negative_slope, inplace=inplace)
+        return linear_epilogue(product, bias, self.act, self.negative_slope, inplace=self._epilogue_in_place)
+
+    @property
+    def _epilogue_in_place(self) -> bool:
+        return self.act == "identity" or grad_from_output(self.act, self.negative_slope)
 
     def extra_repr(self) -> str:
         slope = f", negative_slope={self.negative_slope}" if self.act == "leaky_relu" else ""

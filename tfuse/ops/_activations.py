@@ -1,7 +1,7 @@
 """The activations tfuse fuses: names, kernel codes, and their PyTorch path.
 
-The PyTorch path mirrors the kernel helpers of kernels/activations.py in
-whole-tensor torch ops, on float32 (float64) tensors.
+The PyTorch path uses torch's own activation kernels and their fused backward
+kernels, on float32 (float64) tensors.
 """
 
 from __future__ import annotations
@@ -57,57 +57,44 @@ def grad_from_output(act: str, negative_slope: float) -> bool:
     return act in ("relu", "sigmoid", "tanh") or (act == "leaky_relu" and negative_slope >= 0)
 
 
-def torch_act(z: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """act(z) with torch.nn.functional."""
+def torch_act_(z: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
+    """act(z), in place on ``z`` where torch has an in-place form (gelu has none)."""
     if act == "identity":
         return z
     if act == "relu":
-        return F.relu(z)
+        return torch.relu_(z)
     if act == "leaky_relu":
-        return F.leaky_relu(z, negative_slope)
+        return F.leaky_relu_(z, negative_slope)
     if act == "gelu":
         return F.gelu(z)
     if act == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
     if act == "silu":
-        return F.silu(z)
+        return F.silu(z, inplace=True)
     if act == "sigmoid":
-        return torch.sigmoid(z)
-    return torch.tanh(z)
+        return z.sigmoid_()
+    return z.tanh_()
 
 
-def torch_act_grad(z: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """d act / d z at the pre-activation ``z``."""
-    if act == "identity":
-        return torch.ones_like(z)
+def torch_act_backward(dy: torch.Tensor, saved: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
+    """dy * act'(.) with torch's fused backward kernels.
+
+    ``saved`` is the output y for the activations of :func:`grad_from_output`
+    and the pre-activation z for the others (never called for identity).
+    """
+    aten = torch.ops.aten
     if act == "relu":
-        return (z > 0).to(z.dtype)
+        return aten.threshold_backward(dy, saved, 0.0)
     if act == "leaky_relu":
-        return torch.where(z > 0, 1.0, negative_slope).to(z.dtype)
-    if act == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * 0.7071067811865476))
-        return cdf + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
-    if act == "gelu_tanh":
-        k, c = 0.7978845608028654, 0.044715
-        t = torch.tanh(k * (z + c * z**3))
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * c * z * z)
-    if act == "silu":
-        s = torch.sigmoid(z)
-        return s * (1.0 + z * (1.0 - s))
+        return aten.leaky_relu_backward(dy, saved, negative_slope, grad_from_output(act, negative_slope))
     if act == "sigmoid":
-        s = torch.sigmoid(z)
-        return s * (1.0 - s)
-    return 1.0 - torch.tanh(z) ** 2
-
-
-def torch_act_grad_from_output(y: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """d act / d z from the output ``y`` (the activations of :func:`grad_from_output`)."""
-    if act == "relu":
-        return (y > 0).to(y.dtype)
-    if act == "leaky_relu":
-        return torch.where(y > 0, 1.0, negative_slope).to(y.dtype)
-    if act == "sigmoid":
-        return y * (1.0 - y)
+        return aten.sigmoid_backward(dy, saved)
     if act == "tanh":
-        return 1.0 - y * y
-    raise ValueError(f"the derivative of {act} does not follow from its output")
+        return aten.tanh_backward(dy, saved)
+    if act == "gelu":
+        return aten.gelu_backward(dy, saved, approximate="none")
+    if act == "gelu_tanh":
+        return aten.gelu_backward(dy, saved, approximate="tanh")
+    if act == "silu":
+        return aten.silu_backward(dy, saved)
+    raise ValueError(f"no backward needed for {act}")

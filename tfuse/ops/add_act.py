@@ -21,14 +21,7 @@ import torch
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
-from tfuse.ops._activations import (
-    ACTIVATIONS,
-    check_activation,
-    grad_from_output,
-    torch_act,
-    torch_act_grad,
-    torch_act_grad_from_output,
-)
+from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
 from tfuse.ops._tiles import (
     COL,
@@ -119,6 +112,21 @@ def add_act(
     return add_act_forward(tensors, dtype, spec)
 
 
+def linear_epilogue(product: torch.Tensor, bias: torch.Tensor | None, act: str, negative_slope: float, inplace: bool) -> torch.Tensor:
+    """``act(product + bias)`` for layers whose arguments are valid by construction.
+
+    FusedLinear calls this with its own matmul output and bias parameter
+    (already checked activation, bias of the right shape and dtype): it skips
+    the argument checks of :func:`add_act`, which would cost a good part of a
+    small layer's time, and keeps only the backend choice.
+    """
+    tensors = (product,) if bias is None else (product, bias)
+    spec = _ActSpec(act, negative_slope, select_backend(product.device, "add_act"), inplace)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _AddActFunction.apply(spec, product.dtype, *tensors)
+    return add_act_forward(tensors, product.dtype, spec)
+
+
 def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
     x = tensors[0]
     if act != "identity" and not grad_from_output(act, negative_slope):
@@ -162,33 +170,48 @@ class _ActSpec:
 
 
 def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
-    """``act(sum(tensors))`` into a new tensor shaped and laid out like ``tensors[0]`` (or into it, inplace)."""
+    """``act(sum(tensors))``, shaped and laid out like ``tensors[0]`` (written into it with inplace)."""
+    if spec.backend is Backend.TORCH:
+        x = tensors[0]
+        if spec.inplace and x.dtype == _acc_dtype(dtype):
+            for other in tensors[1:]:
+                x.add_(other)  # already the accumulation dtype: sum and act straight in x
+            result = torch_act_(x, spec.act, spec.negative_slope)
+            return result if result is x else x.copy_(result)
+        result = _add_act_torch(tensors, dtype, spec)
+        return x.copy_(result) if spec.inplace else result
     out = tensors[0] if spec.inplace else empty_broadcast_output(tensors, tensors[0].shape, dtype)
     if out.numel() == 0:
         return out
-    if spec.backend is Backend.TRITON:
-        plan = plan_tiles(out, tensors)
-        launch(
-            kernels._add_act_fwd_kernel,
-            plan.grid,
-            (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols, spec.negative_slope),
-            dict(N_INPUTS=len(tensors), ACT=spec.code, **tile_meta(plan, out, interpreter_active())),
-            out.device,
-        )
-    else:
-        z = _sum_torch(tensors, _acc_dtype(dtype))
-        out.copy_(torch_act(z, spec.act, spec.negative_slope))
+    plan = plan_tiles(out, tensors)
+    launch(
+        kernels._add_act_fwd_kernel,
+        plan.grid,
+        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols, spec.negative_slope),
+        dict(N_INPUTS=len(tensors), ACT=spec.code, **tile_meta(plan, out, interpreter_active())),
+        out.device,
+    )
     return out
+
+
+def _add_act_torch(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
+    """The PyTorch path: z summed in float32 (float64) into a fresh tensor, act in place, one rounding."""
+    z = _sum_torch(tensors, _acc_dtype(dtype), fresh=True)
+    y = torch_act_(z, spec.act, spec.negative_slope)
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _sum_torch(tensors: Sequence[torch.Tensor], acc_dtype: torch.dtype) -> torch.Tensor:
-    """z = sum(tensors) in ``acc_dtype``, laid out like the first tensor (PyTorch path)."""
+def _sum_torch(tensors: Sequence[torch.Tensor], acc_dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
+    """z = sum(tensors) in ``acc_dtype``, laid out like the first tensor (PyTorch path).
+
+    With ``fresh`` the result never aliases an input, so it may be modified in place.
+    """
     if len(tensors) == 1:
-        return tensors[0].to(acc_dtype)
+        return tensors[0].to(acc_dtype, copy=fresh)
     return add_forward(tensors, tensors[0].shape, acc_dtype, Backend.TORCH)
 
 
@@ -228,9 +251,9 @@ def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], 
     if spec.act == "identity":
         dz = dy
     elif ctx.from_output:
-        dz = dy * torch_act_grad_from_output(saved[0].to(acc_dtype), spec.act, spec.negative_slope)
+        dz = torch_act_backward(dy, saved[0].to(acc_dtype), spec.act, spec.negative_slope)
     else:
-        dz = dy * torch_act_grad(_sum_torch(saved, acc_dtype), spec.act, spec.negative_slope)
+        dz = torch_act_backward(dy, _sum_torch(saved, acc_dtype), spec.act, spec.negative_slope)
     grads = []
     for (shape, dtype), need in zip(ctx.input_meta, needed):
         if not need:
