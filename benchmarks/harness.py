@@ -241,3 +241,22 @@ class Context:
     copy_gbps: float
     quick: bool
     use_compile: bool
+
+
+def saved_for_backward_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors autograd keeps for backward while running ``fn``.
+
+    Storages of ``exclude`` (the inputs, which exist anyway) and of ``fn``'s
+    output (which the next layer holds anyway) are not counted, so the
+    number is the activation memory the op itself adds. Returns it with the output.
+    """
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    skip = {t.untyped_storage().data_ptr() for t in (*exclude, out)}
+    storages = {}
+    for tensor in saved:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()), out

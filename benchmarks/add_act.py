@@ -1,0 +1,178 @@
+"""Benchmark of ``tfuse.add_act`` (bias/residual add + activation) against eager and torch.compile.
+
+Minimum bytes: forward reads x and the bias and writes y; backward reads dy
+and what the derivative needs (y, or x to recompute z) and writes dx (the
+bias gradient is small). Eager ``act(x + b)`` also writes and re-reads the
+sum, and backward does the activation derivative and the bias reduction as
+separate passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import tfuse
+
+from .harness import Column, Context, Report, gbps, grid, median_ms, saved_for_backward_bytes
+
+NAME = "add_act"
+INTERPRETER_MAX_ELEMENTS = 1 << 20
+
+TORCH_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
+    if ctx.machine.on_gpu:
+        mlp = [(4096, 4096), (8192, 8192), (16384, 16384)] if not ctx.quick else [(4096, 4096)]
+        cnn = [(32, 256, 56, 56), (64, 512, 28, 28), (128, 256, 56, 56)] if not ctx.quick else [(32, 256, 56, 56)]
+        dtypes = [torch.bfloat16, torch.float32]
+    else:
+        mlp = [(512, 1024), (2048, 2048)] if not ctx.quick else [(256, 512)]
+        cnn = [(8, 64, 28, 28)] if not ctx.quick else [(2, 16, 14, 14)]
+        dtypes = [torch.float32]
+    acts = ["relu", "gelu"]
+    benches = []
+    for dtype in dtypes:
+        for act in acts:
+            for pattern, shapes in (("bias [T, H] + [H]", mlp), ("per-channel [N, C, H, W] + [C, 1, 1]", cnn)):
+                benches.append(
+                    triton.testing.Benchmark(
+                        x_names=["shape"], x_vals=list(shapes), line_arg="provider",
+                        line_vals=["tfuse", "eager", "compile"], line_names=["tfuse", "eager", "torch.compile"],
+                        plot_name=f"{pattern}-{act}-{dtype}", args={"pattern": pattern, "act": act, "dtype": dtype},
+                    )
+                )
+    return benches
+
+
+def _inputs(pattern: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(shape, device=device, dtype=dtype)
+    bias_shape = (shape[-1],) if pattern.startswith("bias") else (shape[1], 1, 1)
+    return x, torch.randn(bias_shape, device=device, dtype=dtype)
+
+
+def _measure(ctx: Context, pattern: str, act: str, dtype: torch.dtype, shape: tuple[int, ...]) -> list[dict[str, Any]]:
+    device = ctx.machine.device
+    x, bias = _inputs(pattern, shape, dtype, device)
+    size = x.numel() * x.element_size()
+    backend = "triton" if ctx.machine.on_gpu else "torch"
+    torch_act = TORCH_ACT[act]
+
+    def eager(a, b):
+        return torch_act(a + b)
+
+    def fused(a, b):
+        return tfuse.add_act(a, b, act=act)
+
+    compiled = None
+    if ctx.use_compile:
+        torch._dynamo.reset()
+        compiled = torch.compile(eager, dynamic=False)
+
+    rows = []
+    for passes in ("forward", "forward+backward"):
+        training = passes == "forward+backward"
+        xs = x.detach().requires_grad_(training)
+        bs = bias.detach().requires_grad_(training)
+        dy = torch.randn_like(x) if training else None
+        nbytes = 2 * size + bias.numel() * bias.element_size() + (3 * size if training else 0)
+
+        def run(fn):
+            def step():
+                y = fn(xs, bs)
+                if training:
+                    torch.autograd.grad(y, (xs, bs), dy)
+                return y
+            return step
+
+        with tfuse.use_backend(backend):
+            _check(fused(xs, bs), eager(xs, bs), dtype)
+            row: dict[str, Any] = {
+                "pattern": pattern, "act": act, "dtype": str(dtype).replace("torch.", ""),
+                "shape": "x".join(map(str, shape)), "numel": x.numel(), "passes": passes, "mbytes": nbytes / 1e6,
+            }
+            row["tfuse_ms"] = median_ms(run(fused), device, ctx.quick)
+            if training:
+                row["tfuse_saved_mb"] = saved_for_backward_bytes(lambda: fused(xs, bs), (xs, bs))[0] / 1e6
+        row["launches"] = _launches(ctx, fused, xs, bs, dy)
+        row["eager_ms"] = median_ms(run(eager), device, ctx.quick)
+        if training:
+            row["eager_saved_mb"] = saved_for_backward_bytes(lambda: eager(xs, bs), (xs, bs))[0] / 1e6
+        if compiled is not None:
+            run(compiled)()
+            row["compile_ms"] = median_ms(run(compiled), device, ctx.quick)
+            if training:
+                row["compile_saved_mb"] = saved_for_backward_bytes(lambda: compiled(xs, bs), (xs, bs))[0] / 1e6
+        row["tfuse_gbps"] = gbps(nbytes, row["tfuse_ms"])
+        row["pct_copy"] = 100 * row["tfuse_gbps"] / ctx.copy_gbps
+        row["vs_eager"] = row["eager_ms"] / row["tfuse_ms"]
+        if "compile_ms" in row:
+            row["vs_compile"] = row["compile_ms"] / row["tfuse_ms"]
+        for key in ("tfuse", "eager", "compile"):
+            if f"{key}_ms" in row:
+                row[f"{key}_gbps"] = gbps(nbytes, row[f"{key}_ms"])
+        row["series"] = f"{pattern.split(' ')[0]}, {act}, {row['dtype']}, {passes}"
+        rows.append(row)
+    return rows
+
+
+def _check(result: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """A benchmark of a wrong result means nothing."""
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(result.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def _launches(ctx: Context, fused, x, bias, dy) -> str | None:
+    """Triton launches of forward (and backward), e.g. '1 + 2'."""
+    if not ctx.machine.on_gpu and not (ctx.machine.interpreted and x.numel() <= INTERPRETER_MAX_ELEMENTS):
+        return None
+    with tfuse.use_backend("triton"):
+        with tfuse.count_launches() as forward:
+            y = fused(x, bias)
+        if dy is None:
+            return str(forward.total)
+        with tfuse.count_launches() as backward:
+            torch.autograd.grad(y, (x, bias), dy)
+    return f"{forward.total} + {backward.total}"
+
+
+def run(ctx: Context) -> Report:
+    rows = []
+    for bench in _benchmarks(ctx):
+        for config in grid(bench):
+            rows.extend(_measure(ctx, config["pattern"], config["act"], config["dtype"], config["shape"]))
+    on_gpu = ctx.machine.on_gpu
+    label = "tfuse" if on_gpu else "tfuse (PyTorch path)"
+    notes = [
+        f"Device copy bandwidth measured in this run: {ctx.copy_gbps:.1f} GB/s (read + write).",
+        "GB/s = minimum bytes / median time. Forward: x and bias read, y written. "
+        "Forward+backward adds dy and the saved tensor read and dx written (5 x-sized passes in all).",
+        "launches: Triton launches of tfuse (forward + backward). saved MB: memory autograd keeps for "
+        "backward beyond the inputs and the output (eager keeps x + b for gelu; tfuse recomputes it).",
+    ]
+    if not on_gpu:
+        notes.append(
+            "CPU run: the tfuse column times tfuse's PyTorch path; the Triton kernels ran through the interpreter "
+            "only for launch counts (small sizes). Interpreter timings are not performance and are not reported."
+        )
+    if not ctx.use_compile:
+        notes.append("torch.compile was not measured (--no-compile).")
+    columns = [
+        Column("pattern", "pattern"), Column("act", "act"), Column("dtype", "dtype"), Column("shape", "shape"),
+        Column("passes", "passes"), Column("mbytes", "MB moved", "{:.1f}"),
+        Column("tfuse_ms", f"{label} ms", "{:.4f}"), Column("tfuse_gbps", "GB/s", "{:.1f}"),
+        Column("pct_copy", "% of copy BW", "{:.0f}%"), Column("launches", "launches"),
+        Column("eager_ms", "eager ms", "{:.4f}"), Column("compile_ms", "compile ms", "{:.4f}"),
+        Column("vs_eager", "vs eager", "{:.2f}x"), Column("vs_compile", "vs compile", "{:.2f}x"),
+        Column("tfuse_saved_mb", "tfuse saved MB", "{:.2f}"), Column("eager_saved_mb", "eager saved MB", "{:.2f}"),
+        Column("compile_saved_mb", "compile saved MB", "{:.2f}"),
+    ]
+    return Report(
+        name=NAME, title="tfuse.add_act: fused bias/residual add + activation", notes=notes, columns=columns,
+        rows=rows, plot_lines=[("tfuse_gbps", label), ("eager_gbps", "eager"), ("compile_gbps", "torch.compile")],
+        reference_line=(ctx.copy_gbps, "copy bandwidth"),
+    )
