@@ -324,3 +324,24 @@ def test_autocast_leaves_add_act_alone_as_it_does_add_and_activations(device):
         expected = F.gelu(x + bias)
     assert y.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.skipif(
+    not ON_CUDA or torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
+    reason="needs a GPU with 40 GB: float16 tensors of 2**31 + 4099 elements "
+    "(the interpreter would take hours; the int64 logic itself is tested above)",
+)
+def test_more_than_2_31_elements_on_gpu(device):
+    numel = 2**31 + 4099
+    x = torch.randn(numel, device=device, dtype=torch.float16).requires_grad_()
+    bias = torch.randn((), device=device, dtype=torch.float16).requires_grad_()
+    y = tfuse.add_act(x, bias, act="silu")
+    y.backward(torch.ones_like(y))
+    for start in (0, 2**31 - 2048, numel - 4096):
+        window = slice(start, start + 4096)
+        z = (x.detach()[window].float() + bias.detach().float()).requires_grad_()
+        expected = F.silu(z)
+        expected.sum().backward()
+        torch.testing.assert_close(y.detach()[window], expected.half())
+        torch.testing.assert_close(x.grad[window], z.grad.half())
+    assert torch.isfinite(bias.grad)
