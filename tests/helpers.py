@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -89,3 +90,17 @@ def assert_matches_torch_sum(result: torch.Tensor, inputs: Sequence[torch.Tensor
         assert ((result.double() - expected.double()).abs() <= bound).all()
     else:
         torch.testing.assert_close(result, expected)
+
+
+def torch_activation(act: str, negative_slope: float = 0.2):
+    """The torch.nn.functional reference of one of tfuse's activations."""
+    return {
+        "relu": F.relu,
+        "leaky_relu": lambda z: F.leaky_relu(z, negative_slope),
+        "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        "silu": F.silu,
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+        "identity": lambda z: z,
+    }[act]

@@ -30,6 +30,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 import tfuse  # noqa: E402
 import tfuse.ops.add as add_op  # noqa: E402
 import tfuse.ops.add_act as add_act_op  # noqa: E402
+import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
 from tfuse._backend import Backend  # noqa: E402
 from tfuse._launch import kernel_name  # noqa: E402
 
@@ -55,7 +56,7 @@ def captured_launches() -> Iterator[list]:
         launches.append((kernel, args, meta))
 
     saved = {}
-    for module in (add_op, add_act_op):
+    for module in (add_op, add_act_op, batch_norm_op):
         saved[module] = (module.launch, module.select_backend)
         module.launch = capture
         module.select_backend = lambda device, op: Backend.TRITON
@@ -87,6 +88,20 @@ def add_act_case(x_shape, other_shapes, dtype, act, channels_last=False) -> Call
     return run
 
 
+def bn_case(shape, dtype, act, residual, training=True, channels_last=False) -> Callable[[], None]:
+    """Forward and backward of FusedBatchNormAct2d (weight, bias, x and residual requiring grad)."""
+    def run():
+        layer = tfuse.nn.FusedBatchNormAct2d(shape[1], act=act).train(training)
+        x = torch.zeros(shape, dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        x.requires_grad_()
+        skip = torch.zeros(shape, dtype=dtype, requires_grad=True) if residual else None
+        y = layer(x, skip)
+        y.backward(torch.zeros_like(y))
+    return run
+
+
 CASES = {
     "add3_contiguous_fp32": add_case([(1 << 20,)] * 3, torch.float32),
     "add3_contiguous_bf16": add_case([(1 << 20,)] * 3, torch.bfloat16),
@@ -104,6 +119,10 @@ CASES = {
     "add_act_identity_channels_last_bf16": add_act_case((32, 64, 14, 14), [(64, 1, 1)], torch.bfloat16, "identity", channels_last=True),
     "add_act_leaky_relu_fp32": add_act_case((512, 256), [(256,)], torch.float32, "leaky_relu"),
     "add_act_sigmoid_fp16": add_act_case((512, 256), [(512, 1)], torch.float16, "sigmoid"),
+    "bn_relu_residual_nchw_bf16": bn_case((32, 64, 56, 56), torch.bfloat16, "relu", residual=True),
+    "bn_gelu_channels_last_fp16": bn_case((32, 64, 56, 56), torch.float16, "gelu", residual=False, channels_last=True),
+    "bn_silu_eval_fp32": bn_case((8, 256, 14, 14), torch.float32, "silu", residual=True, training=False),
+    "bn_tanh_fp64": bn_case((4, 16, 8, 8), torch.float64, "tanh", residual=False),
 }
 
 

@@ -11,7 +11,7 @@ import tfuse.ops.add_act as add_act_op
 from tfuse.ops import _tiles
 
 from conftest import ON_CUDA
-from helpers import make_input
+from helpers import make_input, torch_activation
 
 ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -29,16 +29,6 @@ PATTERNS = {
     "three_others": ((4, 6, 5), [(4, 1, 5), (6, 1), (4, 6, 5)], "strided"),
 }
 
-TORCH_ACT = {
-    "relu": F.relu,
-    "leaky_relu": lambda z: F.leaky_relu(z, 0.2),
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "identity": lambda z: z,
-}
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +58,7 @@ def reference(inputs: list[torch.Tensor], act: str, grad: torch.Tensor, output: 
     """
     z = sum(t.detach().float() for t in inputs)
     z = z.requires_grad_()
-    fn = (lambda t: F.leaky_relu(t, slope)) if act == "leaky_relu" else TORCH_ACT[act]
+    fn = torch_activation(act, slope)
     y = fn(z)
     dy = grad.float()
     stored = output.detach().float()
@@ -164,7 +154,7 @@ def test_saves_only_what_the_derivative_needs(act, slope, saves, device):
 
 def _derivative(x: torch.Tensor, bias: torch.Tensor, act: str, slope: float) -> torch.Tensor:
     z = (x.detach() + bias.detach()).requires_grad_()
-    fn = (lambda t: F.leaky_relu(t, slope)) if act == "leaky_relu" else TORCH_ACT[act]
+    fn = torch_activation(act, slope)
     (d,) = torch.autograd.grad(fn(z).sum(), z)
     return d
 
@@ -229,7 +219,7 @@ def test_tanh_is_accurate_near_zero_and_saturates(act, device):
     # 1 - 2 / (exp(2x) + 1) loses every digit near 0; the kernel must not.
     z = torch.tensor([1e-7, -3e-6, 1e-4, 0.01, 0.3, 5.0, -20.0, 80.0, -200.0], device=device)
     y = tfuse.add_act(z, act=act)
-    torch.testing.assert_close(y, TORCH_ACT[act](z.double()).float(), rtol=2e-6, atol=0)
+    torch.testing.assert_close(y, torch_activation(act, 0.2)(z.double()).float(), rtol=2e-6, atol=0)
 
 
 def test_functional_and_top_level_are_the_same(device):

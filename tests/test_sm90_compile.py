@@ -49,7 +49,11 @@ def compiled() -> dict[tuple[str, str], dict]:
 
 def test_every_kernel_compiles(compiled):
     kernels = {kernel for _, kernel in compiled}
-    assert kernels == {"_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel"}
+    assert kernels == {
+        "_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel",
+        "_bn_stats_partial_kernel", "_bn_stats_final_kernel", "_bn_act_fwd_kernel",
+        "_bn_act_bwd_reduce_kernel", "_bn_bwd_final_kernel", "_bn_act_bwd_dx_kernel",
+    }
 
 
 @pytest.mark.parametrize("case, kernel", VECTORISED)

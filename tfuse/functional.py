@@ -2,5 +2,6 @@
 
 from tfuse.ops.add import add
 from tfuse.ops.add_act import add_act
+from tfuse.ops.batch_norm import batch_norm_act
 
-__all__ = ["add", "add_act"]
+__all__ = ["add", "add_act", "batch_norm_act"]

@@ -109,3 +109,13 @@ def promote_float_dtypes(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     for dtype in dtypes[1:]:
         result = torch.promote_types(result, dtype)
     return result
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when the elements of ``t`` fill a block of memory exactly once, in some dimension order."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

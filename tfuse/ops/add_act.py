@@ -22,7 +22,7 @@ from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
 from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
-from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
+from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
 from tfuse.ops._tiles import (
     COL,
     LINEAR,
@@ -137,7 +137,7 @@ def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tens
         )
     if x.dtype != dtype:
         raise ValueError(f"tfuse.add_act: inplace=True writes into x of dtype {x.dtype}, but the result is {dtype}")
-    if not _is_dense(x):
+    if not is_dense(x):
         raise ValueError(
             f"tfuse.add_act: inplace=True needs a dense x (no overlapping or skipped elements); "
             f"x has shape {list(x.shape)} and strides {list(x.stride())}"
@@ -145,16 +145,6 @@ def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tens
     storage = x.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == storage for t in tensors[1:]):
         raise ValueError("tfuse.add_act: inplace=True needs others that share no memory with x")
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when the elements of ``t`` fill a block of memory exactly once, in some dimension order."""
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
