@@ -68,3 +68,13 @@ def test_linear_benchmark(tmp_path):
         (act, passes) for act in ("relu", "gelu") for passes in ("forward", "forward+backward")
     }
     assert all(float(row["vs Linear + act"].rstrip("x")) > 0 for row in rows)
+
+
+def test_bn_act_benchmark(tmp_path):
+    rows = _run_quick("bn_act", tmp_path)
+    assert {row["mode"] for row in rows} == {"eval forward", "train forward", "train forward+backward"}
+    assert {row["residual"] for row in rows} == {"yes", "no"}
+    assert all(float(row["vs eager"].rstrip("x")) > 0 and row["compile ms"] != "-" for row in rows)
+    table = next(tmp_path.glob("bn_act-*.md")).read_text()
+    if "(CPU)" in table:
+        assert "train forward 3, train backward 3, eval forward 1" in table
