@@ -254,3 +254,19 @@ def test_errors(device):
         batch_norm_act(torch.ones(2, 3, dtype=torch.int64, device=device), None, None, training=True)
     with pytest.raises(TypeError, match=r"momentum must be a number, got NoneType"):
         batch_norm_act(x, None, None, training=True, momentum=None)
+
+
+@pytest.mark.parametrize("act, keeps", [("relu", "output"), ("gelu", "residual")])
+def test_saves_no_pre_activation(act, keeps, device):
+    # Full-size tensors kept for backward: x and either the output (relu) or
+    # the residual (gelu recomputes its input); per-channel vectors besides.
+    layer = FusedBatchNormAct2d(4, act=act).to(device)
+    x = make_input((2, 4, 6, 6), torch.float32, device).requires_grad_()
+    skip = make_input((2, 4, 6, 6), torch.float32, device).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x, skip)
+    full_size = {t.untyped_storage().data_ptr() for t in saved if t.numel() == x.numel()}
+    expected = {x.untyped_storage().data_ptr(), (y if keeps == "output" else skip).untyped_storage().data_ptr()}
+    assert full_size == expected
+    assert all(t.numel() in (x.numel(), 4) for t in saved)
