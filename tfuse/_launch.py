@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -94,3 +95,19 @@ def launch(
         with _lock:
             for counter in _active:
                 counter.by_kernel[name] += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def target_programs(device: torch.device) -> int:
+    """How many programs a reduction grid aims for: 4 per SM on a GPU, 8 under the interpreter.
+
+    Enough resident work to keep a GPU's memory system busy, while partial
+    buffers stay small; the interpreter runs programs one by one, so fewer is faster.
+    """
+    if device.type == "cuda":
+        return 4 * _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 8

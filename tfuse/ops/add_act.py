@@ -20,7 +20,7 @@ import torch
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
-from tfuse._launch import launch
+from tfuse._launch import launch, target_programs
 from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
 from tfuse.ops._tiles import (
@@ -286,7 +286,7 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
 
     n_col_blocks = -(-plan.n_cols // plan.block_cols)
     row_chunks = -(-plan.n_rows // plan.block_rows)
-    groups = min(row_chunks, max(1, _target_programs(device) // n_col_blocks))
+    groups = min(row_chunks, max(1, target_programs(device) // n_col_blocks))
     rows_per_group = -(-row_chunks // groups) * plan.block_rows
     groups = -(-plan.n_rows // rows_per_group)
 
@@ -401,10 +401,3 @@ def _broadcast_row_strides(plan: TilePlan, strides: Sequence[int]) -> tuple[tupl
             red[dim] = running
             running *= plan.outer_sizes[dim]
     return tuple(red), running
-
-
-def _target_programs(device: torch.device) -> int:
-    """Programs the backward grid aims for: a few per SM on a GPU, few under the interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
-from tfuse._launch import launch
+from tfuse._launch import launch, target_programs
 from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_
 from tfuse.ops._checks import check_float_dtype, is_dense
 
@@ -198,8 +198,7 @@ def _geometry(x: torch.Tensor, stride_c: int) -> _Geometry:
     block_r = max(1, min(TILE_ELEMENTS // block_c, _next_power_of_2(rows)))
     channel_blocks = -(-channels // block_c)
     row_steps = -(-rows // block_r)
-    target = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 8
-    chunks = min(row_steps, max(1, target // channel_blocks))
+    chunks = min(row_steps, max(1, target_programs(x.device) // channel_blocks))
     rows_per_chunk = -(-row_steps // chunks) * block_r
     chunks = -(-rows // rows_per_chunk)
     largest = max(x.numel(), 1) + TILE_ELEMENTS * max(abs(s) for s in x.stride())
