@@ -1,0 +1,344 @@
+"""Coalesced flat storage for parameters and their gradients.
+
+:class:`FlatParams` lays the parameters of each (device, dtype) group out in
+one contiguous buffer, every parameter starting on an aligned offset, and
+re-homes each ``param.data`` as a view into it (values unchanged, the
+Parameter objects the same, so modules and optimizers keep working). Each
+trainable parameter gets a gradient that is a view into a matching flat
+gradient buffer, so autograd accumulates straight into it; one kernel can
+then update a whole buffer and one all-reduce can move a whole bucket.
+
+Gradient buffers hold only parameters with ``requires_grad=True``, in
+reverse registration order (the order gradients become ready in backward),
+split into buckets by a size cap and a parameter-count cap, the knobs of the
+seeds (``fuse_grad_size_in_MB``, ``_fuse_grad_size_in_TFLOPS``).
+
+How gradients stay views when they are set to None (torch's default
+``zero_grad(set_to_none=True)``): a hook on every trainable parameter runs
+in backward just before autograd accumulates its gradient; if ``param.grad``
+is None then, the hook attaches the parameter's view of the flat gradient
+buffer (zeroing it first unless :meth:`FlatParams.zero_grad` already zeroed
+the whole buffer), and autograd accumulates into the view. Parameters that
+take no part in a backward keep ``grad is None``, exactly as in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Which FlatParams a parameter lives in (a parameter can live in only one).
+# Keyed by identity: tensors compare elementwise, so a plain weak dict cannot hold them.
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A contiguous range of one gradient buffer, all-reduced as one message.
+
+    Attributes:
+        buffer_index: which gradient buffer (an index into ``FlatParams.grad_buffers``).
+        start, end: element range in that buffer.
+        params: the parameters whose gradients lie in the range, in the order they get them in backward.
+    """
+
+    buffer_index: int
+    start: int
+    end: int
+    params: tuple[torch.nn.Parameter, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class _Group:
+    device: torch.device
+    dtype: torch.dtype
+    params: list[torch.nn.Parameter]
+    data: torch.Tensor  # the flat parameter buffer
+    offsets: list[int]  # element offset of each parameter in ``data``
+
+
+class FlatParams:
+    """Parameters and gradients coalesced into a few aligned flat buffers.
+
+    Args:
+        params: parameters (e.g. ``model.parameters()``); tied parameters
+            appear once, in the order first seen.
+        bucket_mb: largest gradient bucket in MB (10**6 bytes); None: no size cap.
+            A bucket always holds at least one parameter.
+        max_params_per_bucket: most parameters in one bucket; None: no cap.
+        align_bytes: every parameter and gradient starts on a multiple of
+            this many bytes (256 keeps 128-bit vector loads aligned and suits
+            NCCL); a power of two, at least the element size.
+
+    Example:
+        >>> import torch
+        >>> from tfuse.flat import FlatParams
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        >>> flat = FlatParams(model.parameters(), bucket_mb=1)
+        >>> flat
+        FlatParams(4 parameters (178 elements, 712 B) coalesced into 1 buffer, 1 bucket)
+        >>> model(torch.randn(3, 8)).sum().backward()
+        >>> flat.grad_buffers[0].abs().sum() > 0  # gradients landed in the flat buffer
+        tensor(True)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        bucket_mb: float | None = None,
+        max_params_per_bucket: int | None = None,
+        align_bytes: int = 256,
+    ) -> None:
+        unique = _unique_params(params)
+        _check_options(bucket_mb, max_params_per_bucket, align_bytes)
+        self.bucket_mb = bucket_mb
+        self.max_params_per_bucket = max_params_per_bucket
+        self.align_bytes = align_bytes
+        self._groups: list[_Group] = []
+        for (device, dtype), members in _group_by_device_and_dtype(unique).items():
+            self._groups.append(self._coalesce(device, dtype, members))
+        for param in unique:
+            _OWNER[param] = self
+        self._hooks: list = []
+        self._build_grad_buffers()
+        logger.info("%s", self.describe())
+
+    # ------------------------------------------------------------------ layout
+
+    def _coalesce(self, device: torch.device, dtype: torch.dtype, params: list[torch.nn.Parameter]) -> _Group:
+        offsets, total = self._aligned_offsets(params, dtype)
+        data = torch.zeros(total, dtype=dtype, device=device)
+        for param, offset in zip(params, offsets):
+            view = data[offset : offset + param.numel()].view(param.shape)
+            with torch.no_grad():
+                view.copy_(param.data)
+            param.data = view
+        return _Group(device, dtype, list(params), data, offsets)
+
+    def _aligned_offsets(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> tuple[list[int], int]:
+        align = max(self.align_bytes // torch.empty((), dtype=dtype).element_size(), 1)
+        offsets, cursor = [], 0
+        for param in params:
+            offsets.append(cursor)
+            cursor += -(-param.numel() // align) * align
+        return offsets, cursor
+
+    def _build_grad_buffers(self) -> None:
+        """(Re)builds gradient buffers and buckets for the parameters that require grad now."""
+        for handle in self._hooks:
+            handle.remove()
+        old_views = getattr(self, "_grad_views", {})
+        self._hooks = []
+        self.grad_buffers: list[torch.Tensor] = []
+        self.buckets: list[Bucket] = []
+        self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._clean: dict[torch.nn.Parameter, bool] = {}
+        for group in self._groups:
+            trainable = [p for p in reversed(group.params) if p.requires_grad]  # backward order
+            if not trainable:
+                continue
+            offsets, total = self._aligned_offsets(trainable, group.dtype)
+            buffer = torch.zeros(total, dtype=group.dtype, device=group.device)
+            index = len(self.grad_buffers)
+            self.grad_buffers.append(buffer)
+            for param, offset in zip(trainable, offsets):
+                view = buffer[offset : offset + param.numel()].view(param.shape)
+                previous = param.grad
+                if previous is not None:  # keep gradients that exist (from old views or elsewhere)
+                    with torch.no_grad():
+                        view.copy_(previous)
+                    param.grad = view
+                self._grad_views[param] = view
+                self._clean[param] = previous is None
+                self._hooks.append(param.register_hook(self._attach_hook(param)))
+            self._split_buckets(index, trainable, offsets, total)
+        del old_views
+
+    def _split_buckets(self, index: int, params: list[torch.nn.Parameter], offsets: list[int], total: int) -> None:
+        cap_bytes = None if self.bucket_mb is None else self.bucket_mb * 1e6
+        element_size = params[0].element_size()
+        start, members = 0, []
+        for position, (param, offset) in enumerate(zip(params, offsets)):
+            end = offsets[position + 1] if position + 1 < len(params) else total
+            too_big = cap_bytes is not None and members and (end - start) * element_size > cap_bytes
+            too_many = self.max_params_per_bucket is not None and len(members) >= self.max_params_per_bucket
+            if too_big or too_many:
+                self.buckets.append(Bucket(index, start, offset, tuple(members)))
+                start, members = offset, []
+            members.append(param)
+        self.buckets.append(Bucket(index, start, total, tuple(members)))
+
+    def _attach_hook(self, param: torch.nn.Parameter):
+        ref = weakref.ref(param)
+
+        def attach_view(grad: torch.Tensor) -> None:
+            # Runs in backward before autograd accumulates into param.grad.
+            owner = ref()
+            if owner is None or owner.grad is not None:
+                return
+            view = self._grad_views[owner]
+            if not self._clean[owner]:
+                view.zero_()
+            owner.grad = view
+            self._clean[owner] = False
+
+        return attach_view
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """Every coalesced parameter, in registration order."""
+        return [p for group in self._groups for p in group.params]
+
+    @property
+    def param_buffers(self) -> list[torch.Tensor]:
+        """The flat parameter buffers, one per (device, dtype)."""
+        return [group.data for group in self._groups]
+
+    def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The view of the flat gradient buffer that holds ``param``'s gradient."""
+        if param not in self._grad_views:
+            raise KeyError("this parameter has no gradient slot here (requires_grad=False, or not coalesced)")
+        return self._grad_views[param]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes every gradient buffer in one op each.
+
+        ``set_to_none=True`` (torch's default) then sets every ``param.grad``
+        to None; the next backward attaches the (already zeroed) views again
+        to the parameters it reaches. ``set_to_none=False`` keeps the views of
+        parameters that have a gradient, as zeros.
+        """
+        for buffer in self.grad_buffers:
+            buffer.zero_()
+        for param, view in self._grad_views.items():
+            if set_to_none:
+                param.grad = None
+                self._clean[param] = True
+            elif param.grad is not None:
+                param.grad = view
+
+    def sync_grads(self) -> None:
+        """Brings every gradient back into the flat buffers.
+
+        A gradient set by hand (``param.grad = tensor``) is copied into the
+        parameter's view; a parameter unfrozen since coalescing
+        (``requires_grad`` now True) makes the gradient buffers be rebuilt.
+        Optimizers call this before a fused step.
+        """
+        trainable_now = {p for p in self.params if p.requires_grad}
+        if trainable_now != set(self._grad_views):
+            logger.info("FlatParams: the set of trainable parameters changed; rebuilding gradient buffers")
+            self._build_grad_buffers()
+        for param, view in self._grad_views.items():
+            grad = param.grad
+            if grad is None or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape):
+                continue
+            if grad.is_sparse:
+                raise RuntimeError("FlatParams: sparse gradients cannot live in a flat buffer")
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+            self._clean[param] = False
+
+    def describe(self) -> str:
+        """One line: parameters, elements, bytes, buffers and buckets."""
+        params = self.params
+        elements = sum(p.numel() for p in params)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        buffers = len(self._groups)
+        return (
+            f"{len(params)} parameters ({_count(elements)} elements, {_size(nbytes)}) coalesced into "
+            f"{buffers} buffer{'s' if buffers != 1 else ''}, {len(self.buckets)} bucket{'s' if len(self.buckets) != 1 else ''}"
+        )
+
+    def __repr__(self) -> str:
+        return f"FlatParams({self.describe()})"
+
+    def __iter__(self) -> Iterator[torch.nn.Parameter]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return sum(len(group.params) for group in self._groups)
+
+
+def owner_of(param: torch.Tensor) -> FlatParams | None:
+    """The FlatParams a parameter was coalesced into, if any."""
+    return _OWNER.get(param)
+
+
+def _unique_params(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "FlatParams: params argument given to FlatParams should be an iterable of Tensors, "
+            f"but got {torch.typename(params)}"
+        )
+    unique: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"FlatParams: parameter {index} is a {type(param).__name__}, not a torch.Tensor")
+        if id(param) in seen:
+            continue  # tied parameters appear once
+        if param.is_sparse or param.layout != torch.strided:
+            raise TypeError(f"FlatParams: parameter {index} is sparse ({param.layout}); sparse parameters cannot be coalesced")
+        if param.dtype not in _SUPPORTED:
+            raise TypeError(
+                f"FlatParams: parameter {index} has dtype {param.dtype}; only float16, bfloat16, float32 and "
+                "float64 parameters can be coalesced"
+            )
+        if not param.is_leaf:
+            raise ValueError(f"FlatParams: can't coalesce a non-leaf Tensor (parameter {index})")
+        owner = _OWNER.get(param)
+        if owner is not None:
+            raise ValueError(f"FlatParams: parameter {index} already lives in another FlatParams ({owner.describe()})")
+        seen.add(id(param))
+        unique.append(param)
+    if not unique:
+        raise ValueError("FlatParams got an empty parameter list")
+    return unique
+
+
+def _check_options(bucket_mb: float | None, max_params_per_bucket: int | None, align_bytes: int) -> None:
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0):
+        raise ValueError(f"FlatParams: bucket_mb must be a positive number or None, got {bucket_mb!r}")
+    if max_params_per_bucket is not None and (
+        isinstance(max_params_per_bucket, bool) or not isinstance(max_params_per_bucket, int) or max_params_per_bucket < 1
+    ):
+        raise ValueError(f"FlatParams: max_params_per_bucket must be a positive int or None, got {max_params_per_bucket!r}")
+    if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1 or align_bytes & (align_bytes - 1):
+        raise ValueError(f"FlatParams: align_bytes must be a power of two, got {align_bytes!r}")
+
+
+def _group_by_device_and_dtype(params: list[torch.nn.Parameter]) -> dict[tuple[torch.device, torch.dtype], list]:
+    groups: dict[tuple[torch.device, torch.dtype], list] = {}
+    for param in params:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    return groups
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
