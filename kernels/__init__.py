@@ -8,6 +8,7 @@ the grid and launch these kernels.
 from . import activations  # noqa: F401
 from .add import _add_fwd_kernel  # noqa: F401
 from .add_act import _add_act_bwd_kernel, _add_act_fwd_kernel, _sum_partials_kernel  # noqa: F401
+from .norm import _clip_segments_kernel, _norm_final_kernel, _norm_partial_kernel  # noqa: F401
 from .batch_norm import (  # noqa: F401
     _bn_act_bwd_dx_kernel,
     _bn_act_bwd_reduce_kernel,

@@ -31,6 +31,7 @@ import tfuse  # noqa: E402
 import tfuse.ops.add as add_op  # noqa: E402
 import tfuse.ops.add_act as add_act_op  # noqa: E402
 import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
+import tfuse.optim.clip as clip_op  # noqa: E402
 from tfuse._backend import Backend  # noqa: E402
 from tfuse._launch import kernel_name  # noqa: E402
 
@@ -56,7 +57,7 @@ def captured_launches() -> Iterator[list]:
         launches.append((kernel, args, meta))
 
     saved = {}
-    for module in (add_op, add_act_op, batch_norm_op):
+    for module in (add_op, add_act_op, batch_norm_op, clip_op):
         saved[module] = (module.launch, module.select_backend)
         module.launch = capture
         module.select_backend = lambda device, op: Backend.TRITON
@@ -102,6 +103,19 @@ def bn_case(shape, dtype, act, residual, training=True, channels_last=False) -> 
     return run
 
 
+def clip_case(norm_type, dtype) -> Callable[[], None]:
+    """clip_grad_norm_ over a FlatParams of a small MLP (every parameter has a gradient)."""
+    def run():
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to(dtype)
+        flat = tfuse.flat.FlatParams(model.parameters())
+        for param in flat.params:
+            param.grad = None
+        for param in flat.params:  # gradients as views, without running a backward
+            param.grad = flat.grad_view(param)
+        tfuse.optim.clip_grad_norm_(flat, 1.0, norm_type)
+    return run
+
+
 CASES = {
     "add3_contiguous_fp32": add_case([(1 << 20,)] * 3, torch.float32),
     "add3_contiguous_bf16": add_case([(1 << 20,)] * 3, torch.bfloat16),
@@ -123,6 +137,9 @@ CASES = {
     "bn_gelu_channels_last_fp16": bn_case((32, 64, 56, 56), torch.float16, "gelu", residual=False, channels_last=True),
     "bn_silu_eval_fp32": bn_case((8, 256, 14, 14), torch.float32, "silu", residual=True, training=False),
     "bn_tanh_fp64": bn_case((4, 16, 8, 8), torch.float64, "tanh", residual=False),
+    "clip_l2_fp32": clip_case(2.0, torch.float32),
+    "clip_inf_bf16": clip_case("inf", torch.bfloat16),
+    "clip_p3_fp16": clip_case(3.0, torch.float16),
 }
 
 

@@ -53,6 +53,7 @@ def test_every_kernel_compiles(compiled):
         "_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel",
         "_bn_stats_partial_kernel", "_bn_stats_final_kernel", "_bn_act_fwd_kernel",
         "_bn_act_bwd_reduce_kernel", "_bn_bwd_final_kernel", "_bn_act_bwd_dx_kernel",
+        "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel",
     }
 
 

@@ -11,7 +11,7 @@ from tfuse._source_tree import ensure_kernels_importable
 
 ensure_kernels_importable()
 
-from tfuse import flat, functional, kernels, nn  # noqa: E402
+from tfuse import flat, functional, kernels, nn, optim  # noqa: E402
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
 from tfuse.functional import add, add_act  # noqa: E402
@@ -30,6 +30,7 @@ __all__ = [
     "interpreter_active",
     "kernels",
     "nn",
+    "optim",
     "select_backend",
     "use_backend",
 ]
