@@ -32,6 +32,13 @@ def reference_step(bn: nn.Module, act: str, x: torch.Tensor, residual: torch.Ten
     return y, grads
 
 
+# d(weight) and d(bias) are sums over N * H * W float32 terms; torch's CPU
+# reference accumulates in double. Summed in float32 in another order they
+# differ by a few 1e-6 relative for a few hundred terms, past torch.testing's
+# float32 default (1.3e-6). Parameter gradients are compared at 1e-5.
+PARAM_GRAD_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
 def grad_tolerance(dtype: torch.dtype) -> dict:
     # Gradients of a normalisation combine many rounded terms; in half
     # precision the inputs' own rounding (x and dy rounded to the dtype before
@@ -60,8 +67,10 @@ def test_training_step_matches_batchnorm2d(act, with_residual, layout, dtype, de
     expected_y, expected_grads = reference_step(reference, act, x, residual, dy)
     assert y.dtype == dtype and y.stride() == x.stride()
     torch.testing.assert_close(y, expected_y.to(dtype))
-    for mine, theirs in zip(grads, expected_grads):
-        torch.testing.assert_close(mine.float(), theirs, **grad_tolerance(dtype))
+    for index, (mine, theirs) in enumerate(zip(grads, expected_grads)):
+        is_param_grad = index >= len(grads) - 2
+        tolerance = PARAM_GRAD_TOLERANCE if is_param_grad and dtype == torch.float32 else grad_tolerance(dtype)
+        torch.testing.assert_close(mine.float(), theirs, **tolerance)
     torch.testing.assert_close(fused.running_mean, reference.running_mean)
     torch.testing.assert_close(fused.running_var, reference.running_var)
     assert fused.num_batches_tracked.item() == reference.num_batches_tracked.item() == 1
@@ -106,8 +115,8 @@ def test_eval_is_one_scale_shift_pass(layout, with_residual, device):
     ex, ew, eb = expected_grads[0], expected_grads[-2], expected_grads[-1]
     torch.testing.assert_close(y, expected_y)
     torch.testing.assert_close(gx, ex)
-    torch.testing.assert_close(gw, ew)
-    torch.testing.assert_close(gb, eb)
+    torch.testing.assert_close(gw, ew, **PARAM_GRAD_TOLERANCE)
+    torch.testing.assert_close(gb, eb, **PARAM_GRAD_TOLERANCE)
     assert forward.total == 1 and backward.total == 2
     torch.testing.assert_close(fused.running_mean, reference.running_mean)  # untouched in eval
 
@@ -143,8 +152,8 @@ def test_odd_sizes(shape, layout, device):
     grads = torch.autograd.grad(y, (x, residual, fused.weight, fused.bias), dy)
     expected_y, expected_grads = reference_step(reference, "relu", x, residual, dy)
     torch.testing.assert_close(y, expected_y)
-    for mine, theirs in zip(grads, expected_grads):
-        torch.testing.assert_close(mine, theirs)
+    for index, (mine, theirs) in enumerate(zip(grads, expected_grads)):
+        torch.testing.assert_close(mine, theirs, **(PARAM_GRAD_TOLERANCE if index >= 2 else {}))
     torch.testing.assert_close(fused.running_var, reference.running_var)
 
 
@@ -185,8 +194,8 @@ def test_batchnorm1d(shape, device):
     expected_y, (ex, ew, eb) = reference_step(reference, "tanh", x, None, dy)
     torch.testing.assert_close(y, expected_y)
     torch.testing.assert_close(gx, ex)
-    torch.testing.assert_close(gw, ew)
-    torch.testing.assert_close(gb, eb)
+    torch.testing.assert_close(gw, ew, **PARAM_GRAD_TOLERANCE)
+    torch.testing.assert_close(gb, eb, **PARAM_GRAD_TOLERANCE)
     torch.testing.assert_close(fused.running_var, reference.running_var)
     with pytest.raises(ValueError, match=r"expected 2D or 3D input"):
         fused(torch.randn(2, 10, 3, 3, device=device))
