@@ -18,3 +18,4 @@ from .batch_norm import (  # noqa: F401
     _bn_stats_partial_kernel,
 )
 from .tiles import COL, LINEAR, ROW, SCALAR, STRIDED  # noqa: F401
+from .optim import _adam_kernel, _sgd_kernel  # noqa: F401

@@ -61,12 +61,39 @@ class Bucket:
 
 
 @dataclasses.dataclass
-class _Group:
+class FlatGroup:
+    """The parameters of one (device, dtype) and their flat buffers.
+
+    Parameters and gradients share one layout: ``params[i]`` lives at
+    ``data[offsets[i] : offsets[i] + params[i].numel()]`` and its gradient at
+    the same range of ``grad``. Trainable parameters come first, in reverse
+    registration order (the order gradients become ready in backward), then
+    frozen ones, which have no gradient slot: ``grad`` covers only the first
+    ``n_trainable`` parameters. Same offsets let a fused optimizer treat a run
+    of parameters, their gradients and their optimizer state as three slices
+    of one range.
+
+    Attributes:
+        device, dtype: what every parameter of the group has.
+        params: trainable parameters (backward order), then frozen ones.
+        offsets: element offset of each parameter, aligned.
+        data: the flat parameter buffer.
+        grad: the flat gradient buffer (None when no parameter is trainable).
+        n_trainable: how many of ``params`` have a gradient slot.
+    """
+
     device: torch.device
     dtype: torch.dtype
     params: list[torch.nn.Parameter]
-    data: torch.Tensor  # the flat parameter buffer
-    offsets: list[int]  # element offset of each parameter in ``data``
+    offsets: list[int]
+    data: torch.Tensor
+    grad: torch.Tensor | None
+    n_trainable: int
+
+    @property
+    def trainable_numel(self) -> int:
+        """Length of the gradient buffer (the trainable prefix of ``data``)."""
+        return 0 if self.grad is None else self.grad.numel()
 
 
 class FlatParams:
@@ -81,6 +108,13 @@ class FlatParams:
         align_bytes: every parameter and gradient starts on a multiple of
             this many bytes (256 keeps 128-bit vector loads aligned and suits
             NCCL); a power of two, at least the element size.
+
+    A parameter's gradient sits at the same offset in the gradient buffer as
+    the parameter in the parameter buffer (see :class:`FlatGroup`). When the
+    set of trainable parameters changes (a layer unfrozen), :meth:`sync_grads`
+    lays the group out again: new buffers, ``param.data`` re-homed, values and
+    gradients kept, and :attr:`layout_version` incremented so that holders of
+    offsets (optimizers) know to follow.
 
     Example:
         >>> import torch
@@ -106,69 +140,75 @@ class FlatParams:
         self.bucket_mb = bucket_mb
         self.max_params_per_bucket = max_params_per_bucket
         self.align_bytes = align_bytes
-        self._groups: list[_Group] = []
-        for (device, dtype), members in _group_by_device_and_dtype(unique).items():
-            self._groups.append(self._coalesce(device, dtype, members))
+        self.layout_version = 0
+        self._registered = unique
+        self._groups: list[FlatGroup] = []
+        self._hooks: list = []
+        self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._clean: dict[torch.nn.Parameter, bool] = {}
+        self.buckets: list[Bucket] = []
         for param in unique:
             _OWNER[param] = self
-        self._hooks: list = []
-        self._build_grad_buffers()
+        self._lay_out()
         logger.info("%s", self.describe())
 
     # ------------------------------------------------------------------ layout
 
-    def _coalesce(self, device: torch.device, dtype: torch.dtype, params: list[torch.nn.Parameter]) -> _Group:
-        offsets, total = self._aligned_offsets(params, dtype)
-        data = torch.zeros(total, dtype=dtype, device=device)
-        for param, offset in zip(params, offsets):
+    def _lay_out(self) -> None:
+        """(Re)builds every group's buffers for the parameters that are trainable now.
+
+        Values, existing gradients and the Parameter objects are kept; only
+        the storage behind ``param.data`` and ``param.grad`` moves.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._grad_views = {}
+        self._clean = {}
+        self.buckets = []
+        groups = []
+        for (device, dtype), members in _group_by_device_and_dtype(self._registered).items():
+            trainable = [p for p in reversed(members) if p.requires_grad]  # backward order
+            frozen = [p for p in members if not p.requires_grad]
+            groups.append(self._coalesce(device, dtype, trainable, frozen))
+        self._groups = groups
+        for index, group in enumerate(g for g in groups if g.grad is not None):
+            self._split_buckets(index, group)
+        self.layout_version += 1
+
+    def _coalesce(self, device: torch.device, dtype: torch.dtype, trainable: list, frozen: list) -> FlatGroup:
+        ordered = trainable + frozen
+        align = max(self.align_bytes // torch.empty((), dtype=dtype).element_size(), 1)
+        offsets, cursor = [], 0
+        for param in ordered:
+            offsets.append(cursor)
+            cursor += -(-param.numel() // align) * align
+        trainable_end = offsets[len(trainable)] if len(trainable) < len(ordered) else cursor
+        data = torch.zeros(cursor, dtype=dtype, device=device)
+        grad = torch.zeros(trainable_end, dtype=dtype, device=device) if trainable else None
+        for position, (param, offset) in enumerate(zip(ordered, offsets)):
             view = data[offset : offset + param.numel()].view(param.shape)
             with torch.no_grad():
                 view.copy_(param.data)
             param.data = view
-        return _Group(device, dtype, list(params), data, offsets)
-
-    def _aligned_offsets(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> tuple[list[int], int]:
-        align = max(self.align_bytes // torch.empty((), dtype=dtype).element_size(), 1)
-        offsets, cursor = [], 0
-        for param in params:
-            offsets.append(cursor)
-            cursor += -(-param.numel() // align) * align
-        return offsets, cursor
-
-    def _build_grad_buffers(self) -> None:
-        """(Re)builds gradient buffers and buckets for the parameters that require grad now."""
-        for handle in self._hooks:
-            handle.remove()
-        old_views = getattr(self, "_grad_views", {})
-        self._hooks = []
-        self.grad_buffers: list[torch.Tensor] = []
-        self.buckets: list[Bucket] = []
-        self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._clean: dict[torch.nn.Parameter, bool] = {}
-        for group in self._groups:
-            trainable = [p for p in reversed(group.params) if p.requires_grad]  # backward order
-            if not trainable:
+            if position >= len(trainable):
                 continue
-            offsets, total = self._aligned_offsets(trainable, group.dtype)
-            buffer = torch.zeros(total, dtype=group.dtype, device=group.device)
-            index = len(self.grad_buffers)
-            self.grad_buffers.append(buffer)
-            for param, offset in zip(trainable, offsets):
-                view = buffer[offset : offset + param.numel()].view(param.shape)
-                previous = param.grad
-                if previous is not None:  # keep gradients that exist (from old views or elsewhere)
-                    with torch.no_grad():
-                        view.copy_(previous)
-                    param.grad = view
-                self._grad_views[param] = view
-                self._clean[param] = previous is None
-                self._hooks.append(param.register_hook(self._attach_hook(param)))
-            self._split_buckets(index, trainable, offsets, total)
-        del old_views
+            grad_view = grad[offset : offset + param.numel()].view(param.shape)
+            previous = param.grad
+            if previous is not None:  # keep gradients that exist (from old views or set elsewhere)
+                with torch.no_grad():
+                    grad_view.copy_(previous)
+                param.grad = grad_view
+            self._grad_views[param] = grad_view
+            self._clean[param] = previous is None
+            self._hooks.append(param.register_hook(self._attach_hook(param)))
+        return FlatGroup(device, dtype, ordered, offsets, data, grad, len(trainable))
 
-    def _split_buckets(self, index: int, params: list[torch.nn.Parameter], offsets: list[int], total: int) -> None:
+    def _split_buckets(self, index: int, group: FlatGroup) -> None:
         cap_bytes = None if self.bucket_mb is None else self.bucket_mb * 1e6
-        element_size = params[0].element_size()
+        element_size = group.data.element_size()
+        total = group.trainable_numel
+        params, offsets = group.params[: group.n_trainable], group.offsets[: group.n_trainable]
         start, members = 0, []
         for position, (param, offset) in enumerate(zip(params, offsets)):
             end = offsets[position + 1] if position + 1 < len(params) else total
@@ -179,6 +219,7 @@ class FlatParams:
                 start, members = offset, []
             members.append(param)
         self.buckets.append(Bucket(index, start, total, tuple(members)))
+
 
     def _attach_hook(self, param: torch.nn.Parameter):
         ref = weakref.ref(param)
@@ -201,12 +242,22 @@ class FlatParams:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         """Every coalesced parameter, in registration order."""
-        return [p for group in self._groups for p in group.params]
+        return list(self._registered)
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """One :class:`FlatGroup` per (device, dtype), in order of first appearance."""
+        return list(self._groups)
 
     @property
     def param_buffers(self) -> list[torch.Tensor]:
         """The flat parameter buffers, one per (device, dtype)."""
         return [group.data for group in self._groups]
+
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient buffers, one per (device, dtype) that has a trainable parameter."""
+        return [group.grad for group in self._groups if group.grad is not None]
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The view of the flat gradient buffer that holds ``param``'s gradient."""
@@ -236,19 +287,22 @@ class FlatParams:
 
         A gradient set by hand (``param.grad = tensor``) is copied into the
         parameter's view; a parameter unfrozen since coalescing
-        (``requires_grad`` now True) makes the gradient buffers be rebuilt.
+        (or frozen) since the last layout makes the group be laid out again
+        (see :attr:`layout_version`).
         Optimizers call this before a fused step.
         """
         trainable_now = {p for p in self.params if p.requires_grad}
         if trainable_now != set(self._grad_views):
             logger.info("FlatParams: the set of trainable parameters changed; rebuilding gradient buffers")
-            self._build_grad_buffers()
+            self._lay_out()
         for param, view in self._grad_views.items():
             grad = param.grad
-            if grad is None or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape):
+            if grad is None or grad is view:
                 continue
             if grad.is_sparse:
                 raise RuntimeError("FlatParams: sparse gradients cannot live in a flat buffer")
+            if grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride():
+                continue
             with torch.no_grad():
                 view.copy_(grad)
             param.grad = view
@@ -272,7 +326,7 @@ class FlatParams:
         return iter(self.params)
 
     def __len__(self) -> int:
-        return sum(len(group.params) for group in self._groups)
+        return len(self._registered)
 
 
 def owner_of(param: torch.Tensor) -> FlatParams | None:

@@ -18,7 +18,7 @@ _NORM_KINDS = {2.0: kernels.norm.NORM_2.value, 1.0: kernels.norm.NORM_1.value, m
 
 
 def clip_grad_norm_(
-    parameters: FlatParams | torch.Tensor | Iterable[torch.Tensor],
+    parameters: torch.optim.Optimizer | FlatParams | torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
@@ -35,7 +35,8 @@ def clip_grad_norm_(
     whose grad is None); any other gradient is handled with torch ops.
 
     Args:
-        parameters: a FlatParams, a tensor, or an iterable of tensors.
+        parameters: an optimizer (its parameters), a FlatParams, a tensor,
+            or an iterable of tensors.
         max_norm: the largest total norm allowed.
         norm_type: p > 0 of the p-norm, or ``inf`` / ``"inf"``.
         error_if_nonfinite: raise if the total norm is NaN or infinite.
@@ -51,7 +52,12 @@ def clip_grad_norm_(
         >>> bool(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in flat])) <= 1.0 + 1e-5)
         True
     """
-    params = list(parameters.params if isinstance(parameters, FlatParams) else ([parameters] if isinstance(parameters, torch.Tensor) else parameters))
+    if isinstance(parameters, torch.optim.Optimizer):
+        params = [param for group in parameters.param_groups for param in group["params"]]
+    elif isinstance(parameters, FlatParams):
+        params = parameters.params
+    else:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     p = _check_norm_type(norm_type)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"clip_grad_norm_: max_norm must be a number, got {type(max_norm).__name__}")

@@ -1,0 +1,112 @@
+"""A small model with the awkward cases, and a side-by-side driver against torch.optim."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# Tolerances of a fused step against torch.optim's, per parameter dtype. float64:
+# both sides compute in float64, so only the order of a few operations differs.
+# float32: the kernel computes in float32 like torch, with a different order of
+# operations (and torch's fused CPU kernel vectorizes differently); Adam's
+# m / sqrt(v) amplifies a one-ulp difference of a tiny gradient, hence 1e-5.
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=2e-7)}
+
+
+class Net(nn.Module):
+    """Odd sizes, a zero-dim parameter, and an auxiliary head used only on even steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 7)
+        self.second = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.aux = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        hidden = self.second(torch.tanh(self.first(x))) * self.scale
+        if use_aux:
+            hidden = torch.cat([hidden, self.aux(hidden)], dim=1)
+        return hidden
+
+
+def make_pair(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Net, Net]:
+    model = Net().to(device=device, dtype=dtype)
+    return model, copy.deepcopy(model)
+
+
+def groups_of(model: Net, options: dict, two_groups: bool) -> list[dict]:
+    """Parameter groups: all in one, or two with different hyperparameters."""
+    if not two_groups:
+        return [dict(params=list(model.parameters()))]
+    first = [model.first.weight, model.first.bias, model.scale]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    overrides = {"lr": options.get("lr", 1e-2) * 3}
+    if "weight_decay" in options:
+        overrides["weight_decay"] = 0.0
+    return [dict(params=first, **overrides), dict(params=rest)]
+
+
+def backward(model: Net, x: torch.Tensor, step: int, sign: float = 1.0) -> None:
+    """The loss is negated for ``maximize=True`` runs, so they converge too (a diverging
+    trajectory would amplify rounding differences until no tolerance means anything)."""
+    (model(x, use_aux=step % 2 == 0).pow(2).mean() * sign).backward()
+
+
+def assert_same_state(fused: torch.optim.Optimizer, reference: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Per-parameter state of the two optimizers, key by key, after mapping parameters in order."""
+    ours = [p for g in fused.param_groups for p in g["params"]]
+    theirs = [p for g in reference.param_groups for p in g["params"]]
+    for index, (mine, other) in enumerate(zip(ours, theirs)):
+        mine_state = {k: v for k, v in fused.state.get(mine, {}).items() if k != "master_param"}
+        other_state = reference.state.get(other, {})
+        assert sorted(mine_state) == sorted(k for k, v in other_state.items() if v is not None), index
+        for key, value in other_state.items():
+            if value is None:
+                continue
+            if key == "step":
+                assert float(mine_state[key]) == float(value), (index, key)
+            else:
+                torch.testing.assert_close(mine_state[key], value, **TOLERANCE[dtype], msg=lambda m, i=index, k=key: f"param {i} {k}: {m}")
+
+
+def assert_same_params(model: nn.Module, reference: nn.Module, dtype: torch.dtype) -> None:
+    for (name, mine), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, other, **TOLERANCE[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def run_side_by_side(
+    model: Net, reference: Net, fused: torch.optim.Optimizer, torch_opt: torch.optim.Optimizer, steps: int,
+    device: torch.device, dtype: torch.dtype, before_step: Callable[[int], None] | None = None,
+) -> None:
+    """Same inputs, same zero_grad(set_to_none) pattern; params and state compared after every step."""
+    sign = -1.0 if torch_opt.param_groups[0].get("maximize") else 1.0
+    for step in range(steps):
+        x = torch.randn(6, 5, device=device, dtype=dtype)
+        for net, opt in ((model, fused), (reference, torch_opt)):
+            opt.zero_grad(set_to_none=step % 3 != 2)
+            backward(net, x, step, sign)
+        # Same gradient values on both sides (the fused side's still arrived through its flat
+        # views): the comparison then measures the optimizers, not the model's sensitivity.
+        for mine, other in zip(model.parameters(), reference.parameters()):
+            assert (mine.grad is None) == (other.grad is None)
+            if mine.grad is not None:
+                mine.grad.copy_(other.grad)
+        if before_step is not None:
+            before_step(step)
+        fused.step()
+        torch_opt.step()
+        assert_same_params(model, reference, dtype)
+        assert_same_state(fused, torch_opt, dtype)
+
+
+def saved(state_dict: dict) -> dict:
+    """A state dict as a checkpoint file gives it back (no tensor shared with the source)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)

@@ -1,0 +1,591 @@
+"""Shared machinery of the fused optimizers: flat units, block tables, state, state_dict.
+
+A fused optimizer owns one :class:`_Unit` per flat parameter buffer its
+parameters live in (one :class:`~tfuse.flat.FlatGroup`). The unit keeps the
+optimizer state of all its parameters in flat buffers with the parameter
+buffer's layout, so ``exp_avg`` of a parameter is the same element range as
+the parameter, and hands out per-parameter views of them as
+``optimizer.state[p][name]`` (torch.optim's format). A step is one kernel
+launch per unit on the Triton backend, or a few calls of torch's fused CPU
+kernels over whole contiguous runs of the buffer on the PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tfuse._backend import Backend, select_backend
+from tfuse.flat import FlatGroup, FlatParams, owner_of
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 4096  # elements per program; blocks never cross a run's end
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TABLE_CACHE_SIZE = 8
+MASTER_KEY = "master_param"
+
+
+@dataclasses.dataclass
+class BlockTable:
+    """Which element ranges a step updates, and with which coefficient row.
+
+    ``runs`` are maximal contiguous ranges of parameters that have a gradient
+    and share a row; ``starts``/``ends``/``rows`` cut them into blocks of at
+    most BLOCK elements (device tensors, for the kernel).
+    """
+
+    runs: list[tuple[int, int, int]]  # (start, end, row)
+    starts: torch.Tensor
+    ends: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def n_blocks(self) -> int:
+        return self.starts.numel()
+
+
+class _Unit:
+    """The optimizer's parameters that live in one flat parameter buffer, and their flat state."""
+
+    def __init__(self, owner: FlatParams, device: torch.device, dtype: torch.dtype, master_weights: bool) -> None:
+        self.owner = owner
+        self.device = device
+        self.dtype = dtype
+        self.master_weights = master_weights and dtype in _LOW_PRECISION
+        self.state_dtype = torch.float32 if self.master_weights else dtype
+        self.members: list[torch.nn.Parameter] = []
+        self.buffers: dict[str, torch.Tensor] = {}  # flat optimizer state, parameter-buffer layout
+        self.master: torch.Tensor | None = None
+        self.steps = torch.zeros(0, dtype=torch.float32)  # per member, torch's 'step' (CPU float32)
+        self.initialized = np.zeros(0, dtype=bool)  # per member: had its first step (torch's lazy state init)
+        self.has_entry = np.zeros(0, dtype=bool)  # per member: optimizer.state holds an entry for it
+        self.versions = np.zeros(0, dtype=np.int64)  # per member: param._version after our last write
+        self.layout_version = -1
+        self._tables: collections.OrderedDict = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def flat_group(self) -> FlatGroup:
+        for group in self.owner.groups:
+            if group.device == self.device and group.dtype == self.dtype:
+                return group
+        raise RuntimeError("tfuse: a fused optimizer lost track of its flat buffer")  # cannot happen: groups never vanish
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data
+
+    def set_members(self, params: list[torch.nn.Parameter], group_of: dict[int, int], state: dict) -> None:
+        """Takes ``params`` (all in this unit) in buffer order; keeps the state of members that stay."""
+        flat = self.flat_group
+        position = {id(p): i for i, p in enumerate(flat.params)}
+        ordered = sorted(params, key=lambda p: position[id(p)])
+        old_index = {id(p): i for i, p in enumerate(self.members)}
+        old_offsets = dict(getattr(self, "_offset_of", {}))
+        keep = [old_index.get(id(p), -1) for p in ordered]
+
+        self._data = flat.data
+        self._grad = flat.grad
+        self.positions = np.array([position[id(p)] for p in ordered], dtype=np.int64)
+        self.offsets = np.array([flat.offsets[position[id(p)]] for p in ordered], dtype=np.int64)
+        self.numels = np.array([p.numel() for p in ordered], dtype=np.int64)
+        # Runs may cross the padding between neighbours, never another parameter.
+        self.adjacent_next = np.zeros(len(ordered), dtype=bool)
+        self.adjacent_next[:-1] = self.positions[1:] == self.positions[:-1] + 1
+        self.group_index = np.array([group_of[id(p)] for p in ordered], dtype=np.int64)
+        self._offset_of = {id(p): int(o) for p, o in zip(ordered, self.offsets)}
+
+        steps = torch.zeros(len(ordered), dtype=torch.float32)
+        initialized = np.zeros(len(ordered), dtype=bool)
+        has_entry = np.zeros(len(ordered), dtype=bool)
+        versions = np.zeros(len(ordered), dtype=np.int64)
+        for new, old in enumerate(keep):
+            if old >= 0:
+                steps[new] = self.steps[old]
+                initialized[new] = self.initialized[old]
+                has_entry[new] = self.has_entry[old]
+                versions[new] = self.versions[old]
+        relaid = self.layout_version != self.owner.layout_version
+        old_buffers, old_master = self.buffers, self.master
+        if relaid:
+            self.buffers = {name: torch.zeros_like(flat.data, dtype=self.state_dtype) for name in old_buffers}
+            if self.master_weights:
+                self.master = flat.data.to(torch.float32)
+        self.members, self.steps, self.versions = ordered, steps, versions
+        self.initialized, self.has_entry = initialized, has_entry
+        self.layout_version = self.owner.layout_version
+        self._tables.clear()
+        for index, param in enumerate(ordered):
+            entry = state.get(param)
+            if entry is None:
+                continue
+            if "step" in entry:
+                entry["step"] = steps[index]
+            if relaid and id(param) in old_offsets:
+                old, new, n = old_offsets[id(param)], int(self.offsets[index]), int(self.numels[index])
+                for name, buffer in self.buffers.items():
+                    buffer[new : new + n].copy_(old_buffers[name][old : old + n])
+                if self.master is not None and old_master is not None:
+                    self.master[new : new + n].copy_(old_master[old : old + n])
+            for name in list(entry):
+                if name in self.buffers or name == MASTER_KEY:
+                    entry[name] = self.view(name, index)
+
+    def follow_layout(self, group_of: dict[int, int], state: dict) -> None:
+        """Moves the state to the new offsets after the FlatParams laid its buffers out again."""
+        if self.layout_version != self.owner.layout_version:
+            logger.info("tfuse: flat layout changed; moving optimizer state to the new offsets")
+            self.set_members(self.members, group_of, state)
+
+    def view(self, name: str, index: int) -> torch.Tensor:
+        """Member ``index``'s view of state buffer ``name`` (or of the master buffer)."""
+        buffer = self.master if name == MASTER_KEY else self.buffers[name]
+        offset, numel = int(self.offsets[index]), int(self.numels[index])
+        return buffer[offset : offset + numel].view(self.members[index].shape)
+
+    def ensure_buffer(self, name: str) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.zeros_like(self._data, dtype=self.state_dtype)
+        return self.buffers[name]
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self._grad
+
+    # ------------------------------------------------------------------ blocks
+
+    def block_table(self, active: np.ndarray, member_rows: np.ndarray, merge: bool) -> BlockTable:
+        """Block table for this step's active members (cached: most steps look like the last)."""
+        key = (active.tobytes(), member_rows.tobytes(), merge)
+        table = self._tables.get(key)
+        if table is not None:
+            self._tables.move_to_end(key)
+            return table
+        runs = []
+        index, n = 0, len(self.members)
+        while index < n:
+            if not active[index]:
+                index += 1
+                continue
+            first, row = index, member_rows[index]
+            while merge and index + 1 < n and self.adjacent_next[index] and active[index + 1] and member_rows[index + 1] == row:
+                index += 1
+            runs.append((int(self.offsets[first]), int(self.offsets[index] + self.numels[index]), int(row)))
+            index += 1
+        starts, ends, rows = [], [], []
+        for start, end, row in runs:
+            block_starts = range(start, end, BLOCK)
+            starts.extend(block_starts)
+            ends.extend(min(s + BLOCK, end) for s in block_starts)
+            rows.extend([row] * len(block_starts))
+        packed = torch.tensor([starts, ends, rows], dtype=torch.int64).to(self.device)
+        table = BlockTable(runs, packed[0], packed[1], packed[2])
+        self._tables[key] = table
+        if len(self._tables) > _TABLE_CACHE_SIZE:
+            self._tables.popitem(last=False)
+        return table
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """Base of the fused optimizers: parameters in flat buffers, one update per buffer.
+
+    Subclasses name their per-parameter state (:meth:`_state_names`), build
+    the coefficient row of a (group, step) pair and run the update of a unit
+    with the Triton kernel or with torch's fused CPU kernels.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+    _uses_step = True  # per-parameter 'step' in the state (Adam); SGD has none
+
+    def __init__(self, params: Any, defaults: dict[str, Any], master_weights: bool = False) -> None:
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        self.master_weights = master_weights
+        self._units: list[_Unit] = []
+        self._owned: list[FlatParams] = []  # FlatParams created by this optimizer
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raises ValueError (torch's wording) for a bad hyperparameter of ``group``."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group like torch, checks it, and coalesces its parameters that are not in a flat buffer yet."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets will change between runs. Please use a list instead.")
+        else:
+            params = list(params) if params is not None else []
+        named = [p for p in params if isinstance(p, tuple)]
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        seen: set[int] = set()
+        for param in tensors:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(param))
+            if id(param) in seen:
+                raise ValueError("optimizer contains a parameter group with duplicate parameters")
+            seen.add(id(param))
+            if param.is_complex() or param.dtype not in _SUPPORTED:
+                raise ValueError(
+                    f"`{type(self).__name__}` requires all the params to be floating point Tensors "
+                    f"(float16, bfloat16, float32 or float64), but got {param.dtype}"
+                )
+            if param.layout != torch.strided:
+                raise ValueError(f"`{type(self).__name__}` does not support sparse parameters ({param.layout})")
+        param_group = dict(param_group)
+        param_group["params"] = params if named else tensors
+        for name, default in self.defaults.items():
+            param_group.setdefault(name, default)
+        self._check_group(param_group)
+        super().add_param_group(param_group)  # leaf check, "appear in more than one parameter group"
+        self._coalesce(self.param_groups[-1]["params"])
+        self._build_units()
+
+    def _coalesce(self, params: list[torch.Tensor]) -> None:
+        loose = [p for p in params if owner_of(p) is None]
+        if loose:
+            self._owned.append(FlatParams(loose))
+
+    def _group_of(self) -> dict[int, int]:
+        return {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
+
+    def _build_units(self) -> None:
+        by_place: dict[tuple[int, torch.device, torch.dtype], list] = {}
+        owners: dict[int, FlatParams] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                owner = owner_of(param)
+                owners[id(owner)] = owner
+                by_place.setdefault((id(owner), param.device, param.dtype), []).append(param)
+        existing = {(id(u.owner), u.device, u.dtype): u for u in self._units}
+        group_of = self._group_of()
+        units = []
+        for (owner_id, device, dtype), params in by_place.items():
+            unit = existing.get((owner_id, device, dtype)) or _Unit(owners[owner_id], device, dtype, self.master_weights)
+            unit.set_members(params, group_of, self.state)
+            units.append(unit)
+        self._units = units
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for name, default in self.defaults.items():
+                group.setdefault(name, default)
+
+    # ------------------------------------------------------------------ step
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """Flat state names a parameter of ``group`` gets at its first step (torch's keys)."""
+        raise NotImplementedError
+
+    def _has_state(self, group: dict[str, Any]) -> bool:
+        """Whether parameters of ``group`` keep state at all (SGD without momentum does not)."""
+        return True
+
+    def _row(self, group: dict[str, Any], step: int, first: bool) -> tuple[list[float], dict[str, Any]]:
+        """Coefficient row for the kernel and keyword arguments for the torch path."""
+        raise NotImplementedError
+
+    def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _torch_runs(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None):
+        """For the torch path: per coefficient row, (spec, spans, parameter slices, gradient slices).
+
+        Slices cover whole runs of the flat buffers. With master weights the
+        parameters are the float32 masters and the gradients float32 copies;
+        after the caller's update (when the generator resumes) the rounded
+        parameters, and the unscaled gradients under AMP, are written back.
+        """
+        by_row: dict[int, list[tuple[int, int]]] = {}
+        for start, end, row in table.runs:
+            by_row.setdefault(row, []).append((start, end))
+        target = unit.master if unit.master_weights else unit.data
+        for row, spans in by_row.items():
+            grads = [unit.grad[s:e] for s, e in spans]
+            if unit.master_weights:
+                grads = [g.float() for g in grads]
+            yield specs[row], spans, [target[s:e] for s, e in spans], grads
+            if unit.master_weights:
+                for (s, e), grad in zip(spans, grads):
+                    unit.data[s:e].copy_(unit.master[s:e])
+                    if grad_scale is not None:
+                        unit.grad[s:e].copy_(grad)
+
+    def _merge_runs(self) -> bool:
+        """Whether runs may cross padding (the update must keep zero padding at zero)."""
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Performs one optimization step: one update launch per flat buffer.
+
+        Args:
+            closure: reevaluates the model and returns the loss (as in torch.optim).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item()):
+            # GradScaler found inf/NaN: skip the step, nothing changes (reads one scalar, as GradScaler does).
+            return loss
+        for owner in {id(u.owner): u.owner for u in self._units}.values():
+            owner.sync_grads()
+        group_of = None
+        for unit in self._units:
+            if unit.layout_version != unit.owner.layout_version:
+                group_of = group_of or self._group_of()
+                unit.follow_layout(group_of, self.state)
+        for unit in self._units:
+            self._step_unit(unit, grad_scale)
+        return loss
+
+    def _step_unit(self, unit: _Unit, grad_scale: torch.Tensor | None) -> None:
+        members = unit.members
+        active = np.fromiter((p.grad is not None for p in members), dtype=bool, count=len(members))
+        if not active.any():
+            return
+        groups = self.param_groups
+        if self._state_out_of_sync(unit):
+            self._resync_flags(unit)
+        first = active & ~unit.initialized
+        if first.any():
+            self._init_state(unit, np.flatnonzero(first))
+        steps_now = unit.steps.numpy()
+        if self._uses_step:
+            steps_now[active] += 1
+        if unit.master_weights:
+            self._refresh_masters(unit, active)
+        # One row per (group, step, first-step) among the active members.
+        keys: dict[tuple[int, int, bool], int] = {}
+        member_rows = np.full(len(members), -1, dtype=np.int64)
+        rows, specs = [], []
+        for index in np.flatnonzero(active):
+            key = (int(unit.group_index[index]), int(steps_now[index]), bool(first[index]))
+            row = keys.get(key)
+            if row is None:
+                row = keys[key] = len(rows)
+                values, spec = self._row(groups[key[0]], key[1], key[2])
+                rows.append(values)
+                specs.append(spec)
+            member_rows[index] = row
+        table = unit.block_table(active, member_rows, self._merge_runs())
+        backend = select_backend(unit.device, type(self).__name__)
+        if backend is Backend.TRITON:
+            self._launch(unit, table, torch.tensor(rows, dtype=torch.float64).to(unit.device, non_blocking=True), grad_scale)
+        else:
+            self._torch_update(unit, table, specs, grad_scale)
+        if unit.master_weights:
+            unit.versions[active] = [p._version for p, on in zip(members, active) if on]
+
+    def _state_out_of_sync(self, unit: _Unit) -> bool:
+        # Cheap check that nobody removed state entries behind our back (e.g. optimizer.state.clear()).
+        return int(unit.has_entry.sum()) > len(self.state)
+
+    def _resync_flags(self, unit: _Unit) -> None:
+        for index, param in enumerate(unit.members):
+            if unit.has_entry[index] and not self.state.get(param):
+                unit.has_entry[index] = unit.initialized[index] = False
+
+    def _init_state(self, unit: _Unit, indices: np.ndarray) -> None:
+        """torch's lazy state creation, for members getting their first gradient: zeroed views."""
+        groups = self.param_groups
+        for index in indices:
+            param = unit.members[index]
+            group = groups[unit.group_index[index]]
+            unit.initialized[index] = True
+            has_state = self._has_state(group)
+            if not (has_state or unit.master_weights):
+                continue
+            entry = self.state[param]
+            entry.clear()
+            if self._uses_step and has_state:
+                unit.steps[index] = 0.0
+                entry["step"] = unit.steps[index]
+            for name in self._state_names(group) if has_state else ():
+                unit.ensure_buffer(name)
+                view = unit.view(name, index)
+                view.zero_()
+                entry[name] = view
+            if unit.master_weights:
+                self._init_master(unit, index)
+                entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
+            unit.has_entry[index] = True
+
+    def _init_master(self, unit: _Unit, index: int, value: torch.Tensor | None = None) -> None:
+        if unit.master is None:
+            unit.master = unit.data.to(torch.float32)
+        param = unit.members[index]
+        unit.view(MASTER_KEY, index).copy_(param.detach() if value is None else value)
+        unit.versions[index] = param._version
+
+    def _refresh_masters(self, unit: _Unit, active: np.ndarray) -> None:
+        """A parameter written through its Parameter since our last step (load_state_dict of the
+        model, ``p.copy_``): its master copy takes the new value, so nothing the user set is lost."""
+        if unit.master is None:
+            unit.master = unit.data.to(torch.float32)
+        for index in np.flatnonzero(active):
+            param = unit.members[index]
+            if param._version != unit.versions[index]:
+                self._init_master(unit, index)
+
+    # ------------------------------------------------------------------ zero_grad / state_dict
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like torch's, but a flat buffer whose parameters are all ours is zeroed in one op."""
+        ours = {id(p) for group in self.param_groups for p in group["params"]}
+        loose = []
+        for owner in {id(u.owner): u.owner for u in self._units}.values():
+            params = owner.params
+            if all(id(p) in ours for p in params if p.requires_grad):
+                owner.zero_grad(set_to_none)
+            else:
+                loose.extend(p for p in params if id(p) in ours)
+        for param in loose:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this class or of the matching torch.optim class.
+
+        Values are copied into the flat state buffers (the loaded tensors are
+        not adopted); hyperparameters come from the state dict, as in torch.
+        Raises ValueError for a different number of groups, a group of a
+        different size, or a state tensor whose shape differs from its
+        parameter's.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                          itertools.chain.from_iterable(g["params"] for g in groups)))
+        flat_names = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", MASTER_KEY}
+        for saved_id, entry in state_dict["state"].items():
+            param = id_map.get(saved_id)
+            if param is None:
+                continue
+            for name, value in entry.items():
+                if name in flat_names and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                    raise ValueError(
+                        f"loaded state dict has '{name}' of shape {tuple(value.shape)} for a parameter of shape "
+                        f"{tuple(param.shape)} (parameter {saved_id})"
+                    )
+        new_groups = []
+        for group, saved in zip(groups, saved_groups):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            for name, default in self.defaults.items():
+                saved.setdefault(name, default)
+            self._check_group(saved)
+            new_groups.append(saved)
+        self.param_groups = new_groups
+        self.state = collections.defaultdict(dict)
+        group_of = self._group_of()
+        for unit in self._units:
+            unit.group_index = np.array([group_of[id(p)] for p in unit.members], dtype=np.int64)
+            unit._tables.clear()
+            for buffer in unit.buffers.values():
+                buffer.zero_()
+            unit.initialized[:] = False
+            unit.has_entry[:] = False
+            unit.steps.zero_()
+        place = {id(p): (unit, index) for unit in self._units for index, p in enumerate(unit.members)}
+        for saved_id, entry in state_dict["state"].items():
+            param = id_map.get(saved_id)
+            if param is None:
+                continue
+            unit, index = place[id(param)]
+            self.state[param] = self._adopt(unit, index, entry)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _adopt(self, unit: _Unit, index: int, saved: dict[str, Any]) -> dict[str, Any]:
+        """Copies one parameter's saved state into the flat buffers; returns its state entry."""
+        entry: dict[str, Any] = {}
+        for name, value in saved.items():
+            if name == "step":
+                unit.steps[index] = float(value)
+                entry["step"] = unit.steps[index]
+            elif name == MASTER_KEY:
+                if unit.master_weights and isinstance(value, torch.Tensor):
+                    self._init_master(unit, index, value.to(unit.device, torch.float32))
+                    entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
+            elif isinstance(value, torch.Tensor) and name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
+                unit.ensure_buffer(name)
+                view = unit.view(name, index)
+                view.copy_(value)
+                entry[name] = view
+            elif value is not None:
+                entry[name] = copy.deepcopy(value)
+        if unit.master_weights and MASTER_KEY not in entry and entry:
+            self._init_master(unit, index)
+            entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
+        if self._uses_step and "step" not in entry and entry:
+            entry["step"] = unit.steps[index]
+        unit.initialized[index] = unit.has_entry[index] = bool(entry)
+        return entry
+
+    # ------------------------------------------------------------------ report
+
+    def describe(self) -> str:
+        """One line: how many flat buffers the optimizer updates, with how many parameters."""
+        params = sum(len(u.members) for u in self._units)
+        elements = sum(int(u.numels.sum()) for u in self._units)
+        launches = len(self._units)
+        return (
+            f"{type(self).__name__}: {params} parameters ({elements} elements) in {launches} flat buffer"
+            f"{'s' if launches != 1 else ''}, {launches} update launch{'es' if launches != 1 else ''} per step"
+        )
+
+
+def as_float(value: float | torch.Tensor) -> float:
+    """A hyperparameter as a Python float (a 0-dim tensor lr is read once per step)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def check_lr(lr: Any) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_non_negative(value: Any, what: str) -> None:
+    if not 0.0 <= value:
+        raise ValueError(f"Invalid {what} value: {value}")
