@@ -60,11 +60,18 @@ def _load_grad(grad_ptr, offsets, mask, grad_scale_ptr, ACC: tl.constexpr, GRAD_
 
 
 @triton.jit
-def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's element offsets, their mask, and a pointer to its coefficient row."""
+def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+           START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr):
+    """This program's element offsets, their mask, and a pointer to its coefficient row.
+
+    The alignment hints let the compiler use 128-bit accesses: block starts are
+    parameter offsets (aligned by FlatParams) plus multiples of BLOCK, and the
+    launcher rounds run ends up into the zero padding when the update keeps
+    zeros at zero (END_ALIGN > 1); otherwise masks are per element.
+    """
     block = tl.program_id(0)
-    start = tl.load(starts_ptr + block)
-    end = tl.load(ends_ptr + block)
+    start = tl.multiple_of(tl.load(starts_ptr + block), START_ALIGN)
+    end = tl.multiple_of(tl.load(ends_ptr + block), END_ALIGN)
     offsets = start + tl.arange(0, BLOCK)
     return offsets, offsets < end, rows_ptr + tl.load(block_rows_ptr + block) * ROW
 
@@ -90,14 +97,14 @@ def _adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, master_ptr,
     starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
     ACC_FP64: tl.constexpr, AMSGRAD: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """Adam / AdamW (torch.optim semantics) over one block of a flat buffer."""
     if ACC_FP64:
         ACC: tl.constexpr = tl.float64
     else:
         ACC: tl.constexpr = tl.float32
-    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ADAM_ROW, BLOCK)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ADAM_ROW, BLOCK, START_ALIGN, END_ALIGN)
     step_size = tl.load(row + ADAM_STEP_SIZE).to(ACC)
     beta1 = tl.load(row + ADAM_BETA1).to(ACC)
     one_minus_beta1 = tl.load(row + ADAM_ONE_MINUS_BETA1).to(ACC)
@@ -143,14 +150,14 @@ def _sgd_kernel(
     param_ptr, grad_ptr, momentum_buffer_ptr, master_ptr,
     starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
     ACC_FP64: tl.constexpr, MOMENTUM: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """SGD with optional momentum, dampening and Nesterov (torch.optim.SGD semantics) over one block."""
     if ACC_FP64:
         ACC: tl.constexpr = tl.float64
     else:
         ACC: tl.constexpr = tl.float32
-    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, SGD_ROW, BLOCK)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, SGD_ROW, BLOCK, START_ALIGN, END_ALIGN)
     lr = tl.load(row + SGD_LR).to(ACC)
     weight_decay = tl.load(row + SGD_WEIGHT_DECAY).to(ACC)
     grad_sign = tl.load(row + SGD_GRAD_SIGN).to(ACC)

@@ -32,6 +32,9 @@ import tfuse.ops.add as add_op  # noqa: E402
 import tfuse.ops.add_act as add_act_op  # noqa: E402
 import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
 import tfuse.optim.clip as clip_op  # noqa: E402
+import tfuse.optim._flat_optimizer as flat_optimizer  # noqa: E402
+import tfuse.optim.adam as adam_op  # noqa: E402
+import tfuse.optim.sgd as sgd_op  # noqa: E402
 from tfuse._backend import Backend  # noqa: E402
 from tfuse._launch import kernel_name  # noqa: E402
 
@@ -57,15 +60,16 @@ def captured_launches() -> Iterator[list]:
         launches.append((kernel, args, meta))
 
     saved = {}
-    for module in (add_op, add_act_op, batch_norm_op, clip_op):
-        saved[module] = (module.launch, module.select_backend)
-        module.launch = capture
-        module.select_backend = lambda device, op: Backend.TRITON
+    for module in (add_op, add_act_op, batch_norm_op, clip_op, adam_op, sgd_op, flat_optimizer):
+        saved[module] = {name: getattr(module, name) for name in ("launch", "select_backend") if hasattr(module, name)}
+        for name in saved[module]:
+            setattr(module, name, capture if name == "launch" else (lambda device, op: Backend.TRITON))
     try:
         yield launches
     finally:
-        for module, (launch, select) in saved.items():
-            module.launch, module.select_backend = launch, select
+        for module, originals in saved.items():
+            for name, value in originals.items():
+                setattr(module, name, value)
 
 
 def add_case(shapes, dtype, channels_last=False) -> Callable[[], None]:
@@ -116,6 +120,17 @@ def clip_case(norm_type, dtype) -> Callable[[], None]:
     return run
 
 
+def optim_case(optimizer_cls, dtype, **options) -> Callable[[], None]:
+    """One step of a fused optimizer over a small MLP whose gradients are flat views."""
+    def run():
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to(dtype)
+        optimizer = optimizer_cls(model.parameters(), **options)
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+    return run
+
+
 CASES = {
     "add3_contiguous_fp32": add_case([(1 << 20,)] * 3, torch.float32),
     "add3_contiguous_bf16": add_case([(1 << 20,)] * 3, torch.bfloat16),
@@ -140,6 +155,12 @@ CASES = {
     "clip_l2_fp32": clip_case(2.0, torch.float32),
     "clip_inf_bf16": clip_case("inf", torch.bfloat16),
     "clip_p3_fp16": clip_case(3.0, torch.float16),
+    "adam_fp32": optim_case(tfuse.optim.FusedAdam, torch.float32),
+    "adamw_amsgrad_bf16_master": optim_case(tfuse.optim.FusedAdamW, torch.bfloat16, amsgrad=True, master_weights=True),
+    "adam_fp16": optim_case(tfuse.optim.FusedAdam, torch.float16, weight_decay=0.1),
+    "adam_eps0_fp64": optim_case(tfuse.optim.FusedAdam, torch.float64, eps=0.0),
+    "sgd_momentum_fp32": optim_case(tfuse.optim.FusedSGD, torch.float32, lr=0.1, momentum=0.9, nesterov=True),
+    "sgd_plain_bf16_master": optim_case(tfuse.optim.FusedSGD, torch.bfloat16, lr=0.1, master_weights=True),
 }
 
 

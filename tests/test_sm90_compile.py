@@ -53,7 +53,7 @@ def test_every_kernel_compiles(compiled):
         "_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel",
         "_bn_stats_partial_kernel", "_bn_stats_final_kernel", "_bn_act_fwd_kernel",
         "_bn_act_bwd_reduce_kernel", "_bn_bwd_final_kernel", "_bn_act_bwd_dx_kernel",
-        "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel",
+        "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel", "_adam_kernel", "_sgd_kernel",
     }
 
 
@@ -71,3 +71,21 @@ def test_per_channel_nchw_vectorises_the_full_size_inputs(compiled):
 
 def test_float64_uses_128_bit_accesses(compiled):
     assert compiled["float64", "_add_fwd_kernel"]["loads"] == [2]  # 2 x 64 bits
+
+
+@pytest.mark.parametrize("case, kernel", [
+    ("adam_fp32", "_adam_kernel"),
+    ("adamw_amsgrad_bf16_master", "_adam_kernel"),
+    ("adam_fp16", "_adam_kernel"),
+    ("sgd_momentum_fp32", "_sgd_kernel"),
+    ("sgd_plain_bf16_master", "_sgd_kernel"),
+])
+def test_optimizer_streams_use_128_bit_accesses(compiled, case, kernel):
+    # Scalar loads are the block table and the coefficient row; every stream is 128-bit.
+    assert compiled[case, kernel]["loads"] == [1, 4]
+    assert compiled[case, kernel]["stores"] == [4]
+
+
+def test_adam_with_eps_zero_keeps_exact_run_ends(compiled):
+    # eps == 0 would turn zero padding into 0/0, so runs end exactly and masks are per element.
+    assert compiled["adam_eps0_fp64", "_adam_kernel"]["stores"] == [1]

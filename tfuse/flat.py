@@ -226,6 +226,11 @@ class FlatParams:
 
         def attach_view(grad: torch.Tensor) -> None:
             # Runs in backward before autograd accumulates into param.grad.
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
+                    "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
+                )
             owner = ref()
             if owner is None or owner.grad is not None:
                 return

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuse._backend import Backend, select_backend
+from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse.flat import FlatGroup, FlatParams, owner_of
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program; blocks never cross a run's end
+NUM_WARPS = 8
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TABLE_CACHE_SIZE = 8
@@ -49,6 +50,7 @@ class BlockTable:
     starts: torch.Tensor
     ends: torch.Tensor
     rows: torch.Tensor
+    end_align: int  # every block end is a multiple of this many elements
 
     @property
     def n_blocks(self) -> int:
@@ -65,6 +67,8 @@ class _Unit:
         self.master_weights = master_weights and dtype in _LOW_PRECISION
         self.state_dtype = torch.float32 if self.master_weights else dtype
         self.members: list[torch.nn.Parameter] = []
+        # Parameter offsets are multiples of this many elements (capped at 16: enough for 128-bit accesses).
+        self.align_elements = min(16, max(1, owner.align_bytes // torch.empty((), dtype=dtype).element_size()))
         self.buffers: dict[str, torch.Tensor] = {}  # flat optimizer state, parameter-buffer layout
         self.master: torch.Tensor | None = None
         self.steps = torch.zeros(0, dtype=torch.float32)  # per member, torch's 'step' (CPU float32)
@@ -182,7 +186,10 @@ class _Unit:
             first, row = index, member_rows[index]
             while merge and index + 1 < n and self.adjacent_next[index] and active[index + 1] and member_rows[index + 1] == row:
                 index += 1
-            runs.append((int(self.offsets[first]), int(self.offsets[index] + self.numels[index]), int(row)))
+            end = int(self.offsets[index] + self.numels[index])
+            if merge:  # into the zero padding, so that block ends are aligned too
+                end = -(-end // self.align_elements) * self.align_elements
+            runs.append((int(self.offsets[first]), end, int(row)))
             index += 1
         starts, ends, rows = [], [], []
         for start, end, row in runs:
@@ -191,7 +198,7 @@ class _Unit:
             ends.extend(min(s + BLOCK, end) for s in block_starts)
             rows.extend([row] * len(block_starts))
         packed = torch.tensor([starts, ends, rows], dtype=torch.int64).to(self.device)
-        table = BlockTable(runs, packed[0], packed[1], packed[2])
+        table = BlockTable(runs, packed[0], packed[1], packed[2], self.align_elements if merge else 1)
         self._tables[key] = table
         if len(self._tables) > _TABLE_CACHE_SIZE:
             self._tables.popitem(last=False)
@@ -309,6 +316,14 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
         raise NotImplementedError
+
+    def _kernel_meta(self, unit: _Unit, table: BlockTable, grad_scale: torch.Tensor | None) -> dict[str, Any]:
+        """Compile-time arguments every update kernel takes."""
+        return dict(
+            ACC_FP64=unit.dtype == torch.float64, MASTER=unit.master_weights, GRAD_SCALE=grad_scale is not None,
+            EMULATE_BF16_RTNE=interpreter_active(), BLOCK=BLOCK, START_ALIGN=unit.align_elements,
+            END_ALIGN=table.end_align, num_warps=NUM_WARPS,
+        )
 
     def _torch_runs(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None):
         """For the torch path: per coefficient row, (spec, spans, parameter slices, gradient slices).

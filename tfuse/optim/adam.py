@@ -8,11 +8,8 @@ from typing import Any
 import torch
 
 from tfuse import kernels
-from tfuse._backend import interpreter_active
 from tfuse._launch import launch
-from tfuse.optim._flat_optimizer import BLOCK, BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
-
-_NUM_WARPS = 8
+from tfuse.optim._flat_optimizer import BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
 
 
 class FusedAdam(FlatOptimizer):
@@ -132,11 +129,7 @@ class FusedAdam(FlatOptimizer):
                 table.starts, table.ends, table.rows, rows,
                 rows if grad_scale is None else grad_scale,
             ),
-            dict(
-                ACC_FP64=unit.dtype == torch.float64, AMSGRAD=max_exp_avg_sq is not None, MASTER=unit.master_weights,
-                GRAD_SCALE=grad_scale is not None, EMULATE_BF16_RTNE=interpreter_active(), BLOCK=BLOCK,
-                num_warps=_NUM_WARPS,
-            ),
+            dict(AMSGRAD=max_exp_avg_sq is not None, **self._kernel_meta(unit, table, grad_scale)),
             unit.device,
         )
 

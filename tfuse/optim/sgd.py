@@ -7,11 +7,8 @@ from typing import Any
 import torch
 
 from tfuse import kernels
-from tfuse._backend import interpreter_active
 from tfuse._launch import launch
-from tfuse.optim._flat_optimizer import BLOCK, BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
-
-_NUM_WARPS = 8
+from tfuse.optim._flat_optimizer import BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
 
 
 class FusedSGD(FlatOptimizer):
@@ -86,11 +83,7 @@ class FusedSGD(FlatOptimizer):
                 unit.data if unit.master is None else unit.master,
                 table.starts, table.ends, table.rows, rows, rows if grad_scale is None else grad_scale,
             ),
-            dict(
-                ACC_FP64=unit.dtype == torch.float64, MOMENTUM=momentum_buffer is not None, MASTER=unit.master_weights,
-                GRAD_SCALE=grad_scale is not None, EMULATE_BF16_RTNE=interpreter_active(), BLOCK=BLOCK,
-                num_warps=_NUM_WARPS,
-            ),
+            dict(MOMENTUM=momentum_buffer is not None, **self._kernel_meta(unit, table, grad_scale)),
             unit.device,
         )
 

@@ -1,0 +1,249 @@
+"""Fused optimizers: state_dict both ways, AMP GradScaler, master weights, low precision, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tfuse
+from optim_helpers import assert_same_params, assert_same_state, backward, make_pair, run_side_by_side, saved
+from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
+
+PAIRS = [
+    (FusedAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
+    (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+]
+
+
+def train_alone(model, optimizer, steps, device) -> None:
+    for step in range(steps):
+        optimizer.zero_grad()
+        backward(model, torch.randn(6, 5, device=device), step)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("direction", ["torch_to_fused", "fused_to_torch"])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0].__name__)
+def test_state_dict_moves_both_ways_and_training_continues_on_the_same_trajectory(pair, direction, device):
+    fused_cls, torch_cls, options = pair
+    model, reference = make_pair(device)
+    fused = fused_cls(model.parameters(), **options)
+    torch_opt = torch_cls(reference.parameters(), **options)
+    if direction == "torch_to_fused":
+        train_alone(reference, torch_opt, 5, device)
+        model.load_state_dict(reference.state_dict())
+        fused.load_state_dict(saved(torch_opt.state_dict()))
+    else:
+        train_alone(model, fused, 5, device)
+        reference.load_state_dict(model.state_dict())
+        torch_opt.load_state_dict(saved(fused.state_dict()))
+    assert_same_state(fused, torch_opt, torch.float32)
+    ours, theirs = fused.state_dict(), torch_opt.state_dict()
+    assert {k: sorted(v) for k, v in ours["state"].items()} == {k: sorted(v) for k, v in theirs["state"].items()}
+    run_side_by_side(model, reference, fused, torch_opt, 5, device, torch.float32)
+
+
+def test_loaded_hyperparameters_replace_the_constructor_ones(device):
+    model, reference = make_pair(device)
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=0.123, betas=(0.8, 0.95))
+    fused = FusedAdam(model.parameters(), lr=1e-3)
+    fused.load_state_dict(saved(torch_opt.state_dict()))
+    assert fused.param_groups[0]["lr"] == 0.123 and fused.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+def test_state_dict_mismatches_raise_clear_errors(device):
+    model, reference = make_pair(device)
+    fused = FusedAdam(model.parameters(), lr=1e-2)
+    two_groups = torch.optim.Adam([{"params": [reference.first.weight]}, {"params": [reference.first.bias]}])
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        fused.load_state_dict(two_groups.state_dict())
+    smaller = torch.optim.Adam(list(reference.parameters())[:-1])
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        fused.load_state_dict(smaller.state_dict())
+    torch_opt = torch.optim.Adam(reference.parameters())
+    train_alone(reference, torch_opt, 1, device)
+    state = saved(torch_opt.state_dict())
+    assert list(reference.parameters())[1] is reference.first.weight
+    state["state"][1]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'exp_avg' of shape \(3, 3\) for a parameter of shape \(7, 5\)"):
+        fused.load_state_dict(state)
+    train_alone(model, fused, 1, device)  # nothing was half-loaded: the optimizer still works
+
+
+def test_state_cleared_by_hand_is_recreated_like_torch(device):
+    model, reference = make_pair(device)
+    fused, torch_opt = FusedAdam(model.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
+    run_side_by_side(model, reference, fused, torch_opt, 2, device, torch.float32)
+    fused.state.clear()
+    torch_opt.state.clear()
+    run_side_by_side(model, reference, fused, torch_opt, 3, device, torch.float32)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["in_kernel_unscale", "unscale_then_clip"])
+@pytest.mark.parametrize("fused_cls,torch_cls", [(FusedAdam, torch.optim.Adam), (FusedMomentum, torch.optim.SGD)])
+def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cls, unscale_first, device):
+    model, reference = make_pair(device)
+    options = dict(lr=1e-2) if fused_cls is FusedAdam else dict(lr=0.05, momentum=0.9)
+    fused, torch_opt = fused_cls(model.parameters(), **options), torch_cls(reference.parameters(), **options)
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for step in range(8):
+        x = torch.randn(6, 5, device=device)
+        for net, opt, scaler in ((model, fused, scalers[0]), (reference, torch_opt, scalers[1])):
+            opt.zero_grad()
+            scaler.scale(net(x, use_aux=True).pow(2).mean()).backward()
+        for mine, other in zip(model.parameters(), reference.parameters()):
+            mine.grad.copy_(other.grad)
+        if step in (2, 5):  # an overflow: both must skip the step and halve the scale
+            for net in (model, reference):
+                net.second.weight.grad[0, 0] = float("inf")
+        for net, opt, scaler in ((model, fused, scalers[0]), (reference, torch_opt, scalers[1])):
+            if unscale_first:
+                scaler.unscale_(opt)
+                tfuse.optim.clip_grad_norm_(opt, max_norm=1e9) if opt is fused else torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)
+            scaler.step(opt)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        assert_same_params(model, reference, torch.float32)
+        assert_same_state(fused, torch_opt, torch.float32)
+        if step not in (2, 5):  # gradients are left unscaled, as torch's unscale_ leaves them
+            for mine, other in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(mine.grad, other.grad, rtol=1e-6, atol=0)
+    if fused_cls is FusedAdam:
+        assert float(fused.state[model.first.weight]["step"]) == 6  # two skipped
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("fused_cls,torch_cls,options", [
+    (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+], ids=["adamw", "sgd"])
+def test_master_weights_follow_a_float32_run_and_round_the_parameters(fused_cls, torch_cls, options, dtype, backend, device):
+    model = make_pair(device)[0].to(dtype)
+    reference = make_pair(device)[1].to(torch.float32)
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    fused = fused_cls(model.parameters(), master_weights=True, **options)
+    torch_opt = torch_cls(reference.parameters(), **options)
+    with tfuse.use_backend(backend):
+        for step in range(6):
+            fused.zero_grad()
+            torch_opt.zero_grad()
+            backward(model, torch.randn(6, 5, device=device, dtype=dtype), step)
+            for mine, other in zip(model.parameters(), reference.parameters()):
+                other.grad = None if mine.grad is None else mine.grad.float()
+            fused.step()
+            torch_opt.step()
+    for mine, other in zip(model.parameters(), reference.parameters()):
+        if mine not in fused.state:
+            continue
+        master = fused.state[mine]["master_param"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, other.detach(), rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(mine.detach(), master.to(dtype), rtol=0, atol=0)  # rounded to nearest even
+    assert all(v.dtype == torch.float32 for s in fused.state.values() for k, v in s.items() if k != "step")
+
+
+def test_master_weights_take_values_the_user_writes_into_the_parameters(device):
+    model = make_pair(device)[0].to(torch.bfloat16)
+    optimizer = FusedSGD(model.parameters(), lr=0.0, master_weights=True)
+    backward(model, torch.randn(2, 5, device=device, dtype=torch.bfloat16), 0)
+    optimizer.step()
+    new_values = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    model.load_state_dict(new_values)  # e.g. restoring a checkpoint of the model only
+    backward(model, torch.randn(2, 5, device=device, dtype=torch.bfloat16), 0)
+    optimizer.step()  # lr 0: the parameters must stay what the user loaded, not the stale masters
+    for name, param in model.named_parameters():
+        assert (param == 0.25).all(), name
+        if param in optimizer.state:
+            assert (optimizer.state[param]["master_param"] == 0.25).all(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_low_precision_without_master_weights_matches_torch_fused(dtype, device):
+    """State in the parameter dtype, math in float32, as torch's fused Adam; one bf16/f16 ulp apart at most."""
+    model, reference = (m.to(dtype) for m in make_pair(device))
+    fused = FusedAdam(model.parameters(), lr=1e-2)
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(5):
+        x = torch.randn(6, 5, device=device, dtype=dtype)
+        for net, opt in ((model, fused), (reference, torch_opt)):
+            opt.zero_grad()
+            backward(net, x, step)
+        for mine, other in zip(model.parameters(), reference.parameters()):
+            if mine.grad is not None:
+                mine.grad.copy_(other.grad)
+        fused.step()
+        torch_opt.step()
+    ulp = torch.finfo(dtype).eps
+    for mine, other in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, other, rtol=2 * ulp, atol=1e-4)
+        assert fused.state[mine]["exp_avg"].dtype == dtype
+
+
+def torch_error(factory) -> str:
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as info:
+        factory()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fused_cls,torch_cls,options", [
+    (FusedAdam, torch.optim.Adam, dict(lr=-1.0)),
+    (FusedAdam, torch.optim.Adam, dict(lr=torch.tensor([1e-3, 1e-3]))),
+    (FusedAdam, torch.optim.Adam, dict(betas=(1.0, 0.9))),
+    (FusedAdam, torch.optim.Adam, dict(betas=(0.9, -0.1))),
+    (FusedAdam, torch.optim.Adam, dict(eps=-1e-8)),
+    (FusedAdamW, torch.optim.AdamW, dict(weight_decay=-0.1)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.1, momentum=-0.5)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.1, weight_decay=-1.0)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.1, nesterov=True)),
+    (FusedSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)),
+], ids=str)
+def test_bad_hyperparameters_raise_with_torchs_wording(fused_cls, torch_cls, options):
+    layer = nn.Linear(2, 2)
+    expected = torch_error(lambda: torch_cls(layer.parameters(), **options))
+    with pytest.raises(ValueError) as info:
+        fused_cls(layer.parameters(), **options)
+    assert str(info.value) == expected
+
+
+def test_bad_values_in_an_added_group_are_refused(device):
+    optimizer = FusedAdam(nn.Linear(2, 2).to(device).parameters())
+    with pytest.raises(ValueError, match="Invalid learning rate: -0.5"):
+        optimizer.add_param_group({"params": nn.Linear(2, 2).to(device).parameters(), "lr": -0.5})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_bad_parameter_lists_raise_with_torchs_wording(device):
+    layer = nn.Linear(2, 2).to(device)
+    for bad in ([], lambda: [layer.weight, layer.weight][:0]):
+        params = bad() if callable(bad) else bad
+        expected = torch_error(lambda: torch.optim.Adam(params))
+        with pytest.raises(ValueError, match=expected):
+            FusedAdam(params)
+    expected = torch_error(lambda: torch.optim.SGD([{"params": [layer.weight]}, {"params": [layer.weight]}], lr=0.1))
+    with pytest.raises(ValueError, match=expected):
+        FusedSGD([{"params": [layer.weight]}, {"params": [layer.weight]}], lr=0.1)
+    with pytest.raises(ValueError, match="duplicate parameters"):
+        FusedSGD([layer.weight, layer.weight], lr=0.1)
+    non_leaf = layer.weight * 2
+    expected = torch_error(lambda: torch.optim.Adam([non_leaf]))
+    with pytest.raises(ValueError, match=expected):
+        FusedAdam([non_leaf])
+    with pytest.raises(ValueError, match="requires all the params to be floating point Tensors"):
+        FusedAdam([nn.Parameter(torch.zeros(3, dtype=torch.complex64, device=device))])
+    with pytest.raises(ValueError, match="requires all the params to be floating point Tensors"):
+        FusedAdam([torch.zeros(3, dtype=torch.int64, device=device)])
+    with pytest.raises(TypeError, match="optimizer can only optimize Tensors"):
+        FusedAdam([layer.weight, 3.0])
+
+
+def test_sparse_gradients_are_refused(device):
+    embedding = nn.Embedding(10, 3, sparse=True).to(device)
+    optimizer = FusedAdam(embedding.parameters())
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        embedding(torch.tensor([1, 2], device=device)).sum().backward()
+    embedding.weight.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 3), (10, 3)).to(device)  # set by hand
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        optimizer.step()
