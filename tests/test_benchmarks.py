@@ -78,3 +78,15 @@ def test_bn_act_benchmark(tmp_path):
     table = next(tmp_path.glob("bn_act-*.md")).read_text()
     if "(CPU)" in table:
         assert "train forward 3, train backward 3, eval forward 1" in table
+
+
+def test_optim_benchmark(tmp_path):
+    rows = _run_quick("optim", tmp_path)
+    assert {row["optimizer"] for row in rows} == {"Adam", "SGD momentum"}
+    assert all(row[key] != "-" for row in rows for key in ("loop ops", "foreach ops", "fused ops"))
+    assert all(float(row["vs fused=True"].rstrip("x")) > 0 for row in rows)
+    table = next(tmp_path.glob("optim-*.md")).read_text()
+    if "(CPU)" in table:
+        assert all(row["launches"] == "-" for row in rows)  # the PyTorch path launches no Triton kernel
+    else:
+        assert all(row["launches"] == "1" for row in rows)  # one flat buffer, one launch

@@ -206,3 +206,34 @@ def test_errors(device):
         FlatParams(fresh, max_params_per_bucket=0)
     with pytest.raises(ValueError, match=r"align_bytes must be a power of two, got 100"):
         FlatParams(fresh, align_bytes=100)
+
+
+def test_gradients_sit_at_their_parameters_offsets_and_frozen_parameters_come_last(device):
+    model = small_model(device)
+    model[2].weight.requires_grad_(False)
+    flat = FlatParams(model.parameters())
+    (group,) = flat.groups
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert [id(p) for p in group.params] == [id(p) for p in reversed(trainable)] + [id(model[2].weight)]
+    assert group.n_trainable == len(trainable) and group.grad.numel() == group.offsets[len(trainable)]
+    for param, offset in zip(group.params[: group.n_trainable], group.offsets):
+        assert param.data_ptr() == group.data.data_ptr() + offset * 4
+        assert flat.grad_view(param).data_ptr() == group.grad.data_ptr() + offset * 4
+
+
+def test_a_new_layout_keeps_values_and_gradients_and_bumps_the_version(device):
+    model = small_model(device)
+    model[0].weight.requires_grad_(False)
+    flat = FlatParams(model.parameters())
+    model(torch.randn(2, 7, device=device)).sum().backward()
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    version = flat.layout_version
+    model[0].weight.requires_grad_(True)
+    flat.sync_grads()
+    assert flat.layout_version == version + 1
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, values[name], rtol=0, atol=0)
+        if name in grads:
+            torch.testing.assert_close(param.grad, grads[name], rtol=0, atol=0)
+    assert flat.groups[0].n_trainable == len(list(model.parameters()))  # no frozen tail any more

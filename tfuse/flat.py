@@ -8,8 +8,10 @@ trainable parameter gets a gradient that is a view into a matching flat
 gradient buffer, so autograd accumulates straight into it; one kernel can
 then update a whole buffer and one all-reduce can move a whole bucket.
 
-Gradient buffers hold only parameters with ``requires_grad=True``, in
+Parameters and gradients share one layout: trainable parameters first, in
 reverse registration order (the order gradients become ready in backward),
+then frozen ones; the gradient buffer covers only the trainable prefix, so a
+parameter's gradient sits at the parameter's own offset. Gradient buffers are
 split into buckets by a size cap and a parameter-count cap, the knobs of the
 seeds (``fuse_grad_size_in_MB``, ``_fuse_grad_size_in_TFLOPS``).
 

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program; blocks never cross a run's end
 NUM_WARPS = 8
+TORCH_PIECE = 1 << 20  # elements per tensor handed to torch's fused CPU kernels
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TABLE_CACHE_SIZE = 8
@@ -335,7 +336,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         """
         by_row: dict[int, list[tuple[int, int]]] = {}
         for start, end, row in table.runs:
-            by_row.setdefault(row, []).append((start, end))
+            # Pieces of ~1M elements: torch's fused CPU kernels parallelize over a list of
+            # tensors better than inside one huge tensor (measured: ResNet-50's 25.6M elements
+            # in one tensor 14.5 ms, in 1M pieces 10.7 ms, 2 cores).
+            by_row.setdefault(row, []).extend((s, min(s + TORCH_PIECE, end)) for s in range(start, end, TORCH_PIECE))
         target = unit.master if unit.master_weights else unit.data
         for row, spans in by_row.items():
             grads = [unit.grad[s:e] for s, e in spans]
@@ -395,19 +399,18 @@ class FlatOptimizer(torch.optim.Optimizer):
             steps_now[active] += 1
         if unit.master_weights:
             self._refresh_masters(unit, active)
-        # One row per (group, step, first-step) among the active members.
-        keys: dict[tuple[int, int, bool], int] = {}
+        # One coefficient row per distinct (group, step, first step) among the active members,
+        # found with numpy: a per-member Python loop would cost more than the GPU update itself.
+        active_index = np.flatnonzero(active)
+        codes = (unit.group_index[active_index] << 41) | (steps_now[active_index].astype(np.int64) << 1) | first[active_index]
+        distinct, inverse = np.unique(codes, return_inverse=True)
         member_rows = np.full(len(members), -1, dtype=np.int64)
+        member_rows[active_index] = inverse
         rows, specs = [], []
-        for index in np.flatnonzero(active):
-            key = (int(unit.group_index[index]), int(steps_now[index]), bool(first[index]))
-            row = keys.get(key)
-            if row is None:
-                row = keys[key] = len(rows)
-                values, spec = self._row(groups[key[0]], key[1], key[2])
-                rows.append(values)
-                specs.append(spec)
-            member_rows[index] = row
+        for code in distinct.tolist():
+            values, spec = self._row(groups[code >> 41], (code >> 1) & ((1 << 40) - 1), bool(code & 1))
+            rows.append(values)
+            specs.append(spec)
         table = unit.block_table(active, member_rows, self._merge_runs())
         backend = select_backend(unit.device, type(self).__name__)
         if backend is Backend.TRITON:
