@@ -70,6 +70,16 @@ def test_one_launch_per_flat_buffer_per_step(backend, device):
             assert launches.by_kernel == {"_adam_kernel": 2}
 
 
+def test_groups_given_to_the_constructor_share_one_buffer(device):
+    model, _ = make_pair(device)
+    optimizer = FusedAdamW(groups_of(model, dict(lr=1e-2, weight_decay=0.1), two_groups=True), lr=1e-2)
+    assert "1 flat buffer" in optimizer.describe()
+    backward(model, torch.randn(2, 5, device=device), 0)
+    with tfuse.use_backend("triton"), tfuse.count_launches() as launches:
+        optimizer.step()
+    assert launches.total == 1
+
+
 def test_parameters_already_in_a_flat_buffer_are_not_copied_again(device):
     model, reference = make_pair(device)
     flat = FlatParams(model.parameters(), bucket_mb=1)

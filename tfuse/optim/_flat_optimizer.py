@@ -223,7 +223,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self._units: list[_Unit] = []
         self._owned: list[FlatParams] = []  # FlatParams created by this optimizer
+        # The constructor's groups are coalesced together (one buffer per device and dtype,
+        # so one launch whatever the number of groups); later add_param_group calls coalesce
+        # their own new parameters.
+        self._constructing = True
         super().__init__(params, defaults)
+        self._constructing = False
+        self._coalesce([p for group in self.param_groups for p in group["params"]])
+        self._build_units()
 
     # ------------------------------------------------------------------ groups
 
@@ -264,8 +271,9 @@ class FlatOptimizer(torch.optim.Optimizer):
             param_group.setdefault(name, default)
         self._check_group(param_group)
         super().add_param_group(param_group)  # leaf check, "appear in more than one parameter group"
-        self._coalesce(self.param_groups[-1]["params"])
-        self._build_units()
+        if not self._constructing:
+            self._coalesce(self.param_groups[-1]["params"])
+            self._build_units()
 
     def _coalesce(self, params: list[torch.Tensor]) -> None:
         loose = [p for p in params if owner_of(p) is None]
