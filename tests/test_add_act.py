@@ -77,6 +77,24 @@ def reference(inputs: list[torch.Tensor], act: str, grad: torch.Tensor, output: 
     return y.detach(), grads
 
 
+def assert_reduced_grad_close(actual: torch.Tensor, upstream: torch.Tensor, shape: torch.Size) -> None:
+    """A float32 gradient summed over broadcast rows, against the float64 sum of torch's per-element gradients.
+
+    Each summed term may differ from torch's by what the per-element check
+    (``assert_close``'s float32 default: atol 1e-5, rtol 1.3e-6) accepts, and
+    n float32 terms summed in any order land within (n + 1) * eps * sum(|terms|)
+    of their exact sum; the bound adds the two up. A fixed rtol on the sum does
+    not follow either when the terms cancel.
+    """
+    terms = upstream.double()
+    exact = terms.sum_to_size(shape)
+    n = terms.numel() // exact.numel()
+    magnitude = terms.abs().sum_to_size(shape)
+    bound = n * 1e-5 + (1.3e-6 + (n + 1) * torch.finfo(torch.float32).eps) * magnitude
+    excess = (actual.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"worst excess over the bound: {excess.max().item():.3g}"
+
+
 def expected_backward_launches(inputs: list[torch.Tensor]) -> int:
     reduced = any(t.shape != inputs[0].shape for t in inputs if t.requires_grad)
     return 2 if reduced else 1
@@ -208,10 +226,10 @@ def test_int64_offsets_path(monkeypatch, device):
     assert _tiles.plan_tiles(y, [x, bias]).index_64
     grad = torch.randn_like(y)
     y.backward(grad)
-    expected_y, (gx, gb) = reference([x, bias], "gelu_tanh", grad, y)
+    expected_y, (gx, _) = reference([x, bias], "gelu_tanh", grad, y)
     torch.testing.assert_close(y, expected_y)
     torch.testing.assert_close(x.grad, gx)
-    torch.testing.assert_close(bias.grad, gb)
+    assert_reduced_grad_close(bias.grad, gx, bias.shape)
 
 
 @pytest.mark.parametrize("act", ["tanh", "gelu_tanh"])
@@ -283,10 +301,10 @@ def test_inplace_writes_into_x_with_the_same_values_and_gradients(act, backend, 
     assert y.data_ptr() == x.data_ptr()
     grad = torch.randn_like(y)
     y.backward(grad)
-    expected_y, (gx, gb) = reference([base, bias], act, grad, y)
+    expected_y, (gx, _) = reference([base, bias], act, grad, y)
     torch.testing.assert_close(y, expected_y)
     torch.testing.assert_close(leaf.grad, gx)
-    torch.testing.assert_close(bias.grad, gb)
+    assert_reduced_grad_close(bias.grad, gx, bias.shape)
 
 
 def test_inplace_errors(device):
