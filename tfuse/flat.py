@@ -15,13 +15,21 @@ parameter's gradient sits at the parameter's own offset. Gradient buffers are
 split into buckets by a size cap and a parameter-count cap, the knobs of the
 seeds (``fuse_grad_size_in_MB``, ``_fuse_grad_size_in_TFLOPS``).
 
-How gradients stay views when they are set to None (torch's default
-``zero_grad(set_to_none=True)``): a hook on every trainable parameter runs
-in backward just before autograd accumulates its gradient; if ``param.grad``
-is None then, the hook attaches the parameter's view of the flat gradient
-buffer (zeroing it first unless :meth:`FlatParams.zero_grad` already zeroed
-the whole buffer), and autograd accumulates into the view. Parameters that
-take no part in a backward keep ``grad is None``, exactly as in torch.
+How gradients come to live in the buffer: a post-accumulate-grad hook on
+every trainable parameter runs in backward once autograd has accumulated the
+parameter's gradient. If ``param.grad`` is then not the parameter's view of
+the flat buffer (it was None, so autograd stole its freshly computed
+gradient, or a gradient was set by hand), the hook copies it into the view,
+dividing by :attr:`FlatParams.fresh_grad_divisor` on the way (a data-parallel
+wrapper averages there for free), and makes the view ``param.grad``. Once
+``param.grad`` is the view, later backward passes accumulate into it in
+place. One copy replaces what attaching a zeroed view before accumulation
+would cost (a zeroing pass and a read-add-write pass), so
+``zero_grad(set_to_none=True)`` does not touch the buffers at all: a slot
+whose parameter has ``grad is None`` holds stale values until the parameter
+gets a gradient again (read gradients through ``param.grad``, or use
+``zero_grad(set_to_none=False)`` to zero the buffers). Parameters that take
+no part in a backward keep ``grad is None``, exactly as in torch.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -148,6 +156,8 @@ class FlatParams:
         self._hooks: list = []
         self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._clean: dict[torch.nn.Parameter, bool] = {}
+        self._listeners: list[Callable[[torch.nn.Parameter, bool], None]] = []
+        self.fresh_grad_divisor = 1.0
         self.buckets: list[Bucket] = []
         for param in unique:
             _OWNER[param] = self
@@ -203,7 +213,7 @@ class FlatParams:
                 param.grad = grad_view
             self._grad_views[param] = grad_view
             self._clean[param] = previous is None
-            self._hooks.append(param.register_hook(self._attach_hook(param)))
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready_hook()))
         return FlatGroup(device, dtype, ordered, offsets, data, grad, len(trainable))
 
     def _split_buckets(self, index: int, group: FlatGroup) -> None:
@@ -223,26 +233,58 @@ class FlatParams:
         self.buckets.append(Bucket(index, start, total, tuple(members)))
 
 
-    def _attach_hook(self, param: torch.nn.Parameter):
-        ref = weakref.ref(param)
+    def _grad_ready_hook(self):
+        flat = weakref.ref(self)
 
-        def attach_view(grad: torch.Tensor) -> None:
-            # Runs in backward before autograd accumulates into param.grad.
-            if grad.is_sparse:
-                raise RuntimeError(
-                    "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
-                    "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
-                )
-            owner = ref()
-            if owner is None or owner.grad is not None:
-                return
-            view = self._grad_views[owner]
-            if not self._clean[owner]:
-                view.zero_()
-            owner.grad = view
-            self._clean[owner] = False
+        def grad_ready(param: torch.Tensor) -> None:
+            # Runs in backward once autograd has accumulated param.grad.
+            owner = flat()
+            if owner is not None:
+                owner._bring_home(param)
 
-        return attach_view
+        return grad_ready
+
+    def _bring_home(self, param: torch.nn.Parameter) -> None:
+        view = self._grad_views.get(param)
+        if view is None:
+            return
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError(
+                "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
+                "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
+            )
+        divided = False
+        if grad.requires_grad:
+            return  # backward(create_graph=True): keep the graph; sync_grads copies it later
+        if grad is not view and not _same_memory(grad, view):
+            divisor = self.fresh_grad_divisor
+            with torch.no_grad():
+                if divisor == 1:
+                    view.copy_(grad)
+                else:
+                    torch.div(grad, divisor, out=view)
+                    divided = True
+            param.grad = view
+        self._clean[param] = False
+        for listener in list(self._listeners):
+            listener(param, divided)
+
+    def add_grad_ready_listener(self, listener: Callable[[torch.nn.Parameter, bool], None]) -> Callable[[], None]:
+        """Calls ``listener(param, divided)`` each time backward finishes a parameter's gradient.
+
+        By then the gradient is in the flat buffer; ``divided`` says whether
+        it was divided by :attr:`fresh_grad_divisor` as it was copied in
+        (False when it was accumulated in place, or the divisor was 1).
+        Returns a function that removes the listener.
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
 
     # ------------------------------------------------------------------ public API
 
@@ -273,20 +315,23 @@ class FlatParams:
         return self._grad_views[param]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes every gradient buffer in one op each.
+        """Resets every gradient, as ``Optimizer.zero_grad`` does.
 
-        ``set_to_none=True`` (torch's default) then sets every ``param.grad``
-        to None; the next backward attaches the (already zeroed) views again
-        to the parameters it reaches. ``set_to_none=False`` keeps the views of
-        parameters that have a gradient, as zeros.
+        ``set_to_none=True`` (torch's default) sets every ``param.grad`` to
+        None without touching the buffers: the next backward copies each new
+        gradient into its slot, overwriting what was there. ``set_to_none=False``
+        zeroes the buffers (one op each) and keeps the views of parameters
+        that have a gradient, as zeros.
         """
+        if set_to_none:
+            for param in self._grad_views:
+                param.grad = None
+            return
         for buffer in self.grad_buffers:
             buffer.zero_()
         for param, view in self._grad_views.items():
-            if set_to_none:
-                param.grad = None
-                self._clean[param] = True
-            elif param.grad is not None:
+            self._clean[param] = True
+            if param.grad is not None:
                 param.grad = view
 
     def sync_grads(self) -> None:
@@ -308,12 +353,60 @@ class FlatParams:
                 continue
             if grad.is_sparse:
                 raise RuntimeError("FlatParams: sparse gradients cannot live in a flat buffer")
-            if grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride():
+            if _same_memory(grad, view):
                 continue
             with torch.no_grad():
                 view.copy_(grad)
             param.grad = view
             self._clean[param] = False
+
+    def set_buckets(self, bucket_mb: float | None, max_params_per_bucket: int | None = None) -> None:
+        """Splits the gradient buffers into buckets again with new caps.
+
+        Only :attr:`buckets` changes: no storage moves, offsets stay, so an
+        optimizer that already uses this FlatParams is unaffected.
+        """
+        _check_options(bucket_mb, max_params_per_bucket, self.align_bytes)
+        self.bucket_mb = bucket_mb
+        self.max_params_per_bucket = max_params_per_bucket
+        self.buckets = []
+        for index, group in enumerate(g for g in self._groups if g.grad is not None):
+            self._split_buckets(index, group)
+
+    def adopt_grad(self, param: torch.nn.Parameter) -> bool:
+        """Makes ``param.grad`` its view of the flat buffer; returns whether it has a gradient.
+
+        A gradient living elsewhere (set by hand, or accumulated into a tensor
+        set by hand) is copied into the view first. A parameter whose
+        ``grad`` is None keeps None, and its view is zeroed (unless already
+        zero) so that the buffer holds exactly zero for it.
+        """
+        view = self.grad_view(param)
+        grad = param.grad
+        if grad is None:
+            if not self._clean[param]:
+                view.zero_()
+                self._clean[param] = True
+            return False
+        if grad is not view and not _same_memory(grad, view):
+            if grad.is_sparse:
+                raise RuntimeError("FlatParams: sparse gradients cannot live in a flat buffer")
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+        self._clean[param] = False
+        return True
+
+    def attach_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Sets ``param.grad`` to its view of the flat buffer as it is (no zeroing) and returns it.
+
+        For code that wrote the gradient into the buffer itself, e.g. an
+        all-reduce that filled in a gradient this process never computed.
+        """
+        view = self.grad_view(param)
+        param.grad = view
+        self._clean[param] = False
+        return view
 
     def describe(self) -> str:
         """One line: parameters, elements, bytes, buffers and buckets."""
@@ -334,6 +427,10 @@ class FlatParams:
 
     def __len__(self) -> int:
         return len(self._registered)
+
+
+def _same_memory(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
 
 def owner_of(param: torch.Tensor) -> FlatParams | None:
