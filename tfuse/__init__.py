@@ -11,7 +11,7 @@ from tfuse._source_tree import ensure_kernels_importable
 
 ensure_kernels_importable()
 
-from tfuse import flat, functional, kernels, nn, optim  # noqa: E402
+from tfuse import distributed, flat, functional, kernels, nn, optim  # noqa: E402
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
 from tfuse.functional import add, add_act  # noqa: E402
@@ -25,6 +25,7 @@ __all__ = [
     "add",
     "add_act",
     "count_launches",
+    "distributed",
     "flat",
     "functional",
     "interpreter_active",

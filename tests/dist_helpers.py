@@ -1,0 +1,101 @@
+"""Runs a function on N gloo ranks (separate processes) and brings back each rank's result.
+
+Every rank joins a gloo process group through a temp-file init on localhost,
+runs ``fn(rank, world_size, **kwargs)`` and saves what it returned, or the
+exception it raised, with torch.save. The parent waits at most ``timeout``
+seconds, then kills what is left, so a deadlock fails a test instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank returned, or the exception it raised (``error`` is then "TypeName: message")."""
+
+    value: Any = None
+    error: str | None = None
+    traceback: str | None = None
+    exited: bool = True  # False: the rank was killed (it never wrote a result)
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise AssertionError(f"rank raised {self.error}\n{self.traceback}")
+        if not self.exited:
+            raise AssertionError("rank did not finish (killed after the deadline, or died)")
+        return self.value
+
+
+def _rank_entry(fn: Callable, rank: int, world_size: int, init_file: str, result_file: str, pg_timeout_s: float,
+                kwargs: dict) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    torch.manual_seed(1000 + rank)
+    outcome = RankResult()
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        outcome.value = fn(rank, world_size, **kwargs)
+    except BaseException as error:  # noqa: BLE001 - the parent reports it
+        outcome.error = f"{type(error).__name__}: {error}"
+        outcome.traceback = traceback.format_exc()
+    torch.save(dataclasses.asdict(outcome), result_file)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group (killed peer) may refuse; the process ends anyway
+            pass
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    timeout: float = 120.0,
+    pg_timeout_s: float = 60.0,
+    wait_for: list[int] | None = None,
+    **kwargs: Any,
+) -> list[RankResult]:
+    """Runs ``fn`` on ``world_size`` gloo ranks; returns one RankResult per rank.
+
+    ``fn`` must be importable (a module-level function). ``wait_for``: ranks
+    whose end is awaited (default all); the others are killed once those are
+    done (for tests where a rank stalls on purpose).
+    """
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        results = [os.path.join(tmp, f"rank{rank}.pt") for rank in range(world_size)]
+        processes = [
+            context.Process(target=_rank_entry, args=(fn, rank, world_size, init_file, results[rank], pg_timeout_s, kwargs))
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        awaited = range(world_size) if wait_for is None else wait_for
+        for rank in awaited:
+            processes[rank].join(max(0.1, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        outcomes = []
+        for rank in range(world_size):
+            if os.path.exists(results[rank]):
+                outcomes.append(RankResult(**torch.load(results[rank], weights_only=False)))
+            else:
+                outcomes.append(RankResult(exited=False))
+        return outcomes

@@ -1,0 +1,254 @@
+"""tfuse.distributed.FusedDataParallel on real gloo process groups (2 and 3 ranks on localhost).
+
+The scenarios (tests/dist_scenarios.py) run inside spawned ranks; to keep CI
+lean, one process group per world size runs all of them once (a module
+fixture) and each test checks its scenario's results. Fault tests get their
+own groups. Every group is bounded by a timeout, so a deadlock fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helpers import run_world
+from dist_scenarios import SUITE, killed_rank, run_suite, stalled_rank
+
+import tfuse
+from tfuse.distributed import FusedDataParallel, init_process_group_from_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64; only the summation order differs from the references
+WORLD3_SCENARIOS = ["train_sgd", "gradient_merge", "hook_order", "unused_parameters", "mismatch"]
+
+
+def _suite(world: int, names: list[str]) -> list[dict]:
+    outcomes = run_world(run_suite, world, timeout=300, pg_timeout_s=60, names=names)
+    return [outcome.unwrap() for outcome in outcomes]
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return _suite(2, list(SUITE))
+
+
+@pytest.fixture(scope="module")
+def world3() -> list[dict]:
+    return _suite(3, WORLD3_SCENARIOS)
+
+
+@pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
+def world(request) -> list[dict]:
+    return request.getfixturevalue(f"world{request.param}")
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's result of a scenario; fails with the rank's traceback if it raised."""
+    values = []
+    for rank, results in enumerate(ranks):
+        outcome = results[name]
+        if "error" in outcome:
+            pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{outcome['error']}")
+        values.append(outcome["value"])
+    return values
+
+
+def assert_all_close(actual: list, expected: list, **tolerance) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        if e is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, e, **tolerance)
+
+
+# --------------------------------------------------------------------------- training equivalence
+
+
+@pytest.mark.parametrize("name", ["train_sgd", "train_fused_adam"])
+def test_training_matches_one_process_on_the_whole_batch_and_ddp(world, name):
+    if name not in world[0]:
+        pytest.skip("run on 2 ranks only (CI time)")
+    ranks = scenario(world, name)
+    for rank, result in enumerate(ranks):
+        assert_all_close(result["initial"], result["reference_initial"], rtol=0, atol=0)  # rank 0's weights everywhere
+        assert_all_close(result["fdp"], result["reference"], **TIGHT)
+        assert_all_close(result["fdp"], result["ddp"], **TIGHT)
+        assert_all_close(result["fdp"], ranks[0]["fdp"], rtol=0, atol=0)  # replicas stay bit-identical
+        assert result["fdp"][0].ne(result["initial"][0]).any()  # it trained
+        assert result["grads_in_buffers"] and result["optimizer_shares_flat"] and result["synchronized"]
+
+
+def test_one_all_reduce_per_bucket_in_bucket_order_and_the_fusion_log_line(world):
+    ranks = scenario(world, "train_sgd")
+    for result in ranks:
+        assert result["n_buckets"] == result["num_allreduce_calls"] == 3  # 6 tensors, at most 2 per bucket
+        assert result["num_grad_tensors"] == 6
+        assert result["issued"] == [[0, 1, 2]] * 3  # every step, every rank: each bucket once, in order
+    assert any(
+        "6 gradient tensors, 3 all-reduce calls per step after fusion (bucket_mb=None, max_params_per_bucket=2)" in line
+        for line in ranks[0]["log"]
+    ), ranks[0]["log"]
+
+
+def test_gradient_merge_equals_one_big_batch(world):
+    for result in scenario(world, "gradient_merge"):
+        assert result["synchronized"] == [False, False, True] * 2
+        assert result["calls_per_pass"] == [0, 0, result["n_buckets"]] * 2
+        assert_all_close(result["fdp"], result["reference"], **TIGHT)
+        # gradient_merge_avg=False: the sum over micro-batches of the rank-averaged gradients.
+        assert_all_close(result["summed_grads"], result["summed_reference"], **TIGHT)
+
+
+def test_no_sync_accumulates_locally_like_ddp(world2):
+    for result in scenario(world2, "no_sync"):
+        inside = result["inside"]
+        assert inside["calls"] == 0 and not inside["synchronized"]
+        assert_all_close(inside["fdp"], inside["local"], **TIGHT)
+        assert_all_close(inside["fdp"], inside["ddp"], **TIGHT)
+        after = result["after"]
+        assert after["synchronized"]
+        assert_all_close(after["fdp"], after["ddp"], **TIGHT)
+        assert_all_close(after["fdp"], after["reference"], **TIGHT)
+        assert result["forward_inside_calls"] == 0  # the forward decides, as in DDP
+        assert_all_close(result["forward_inside_grads"], result["local_first"], **TIGHT)
+    ranks = scenario(world2, "no_sync")
+    assert not torch.equal(ranks[0]["inside"]["fdp"][0], ranks[1]["inside"]["fdp"][0])  # really local
+
+
+def test_unused_parameters_with_and_without_the_flag(world):
+    ranks = scenario(world, "unused_parameters")
+    for result in ranks:
+        names = result["unused_everywhere"]["names"]
+        aux = [i for i, n in enumerate(names) if n.startswith("aux.")]
+        for step in result["unused_everywhere"]["grads"]:
+            assert all(step["fdp"][i] is None and step["ddp"][i] is None for i in aux)  # as DDP: untouched
+            assert_all_close(step["fdp"], step["ddp"], **TIGHT)
+        assert_all_close(result["unused_everywhere"]["fdp"], result["unused_everywhere"]["ddp"], **TIGHT)
+        for step in result["rank0_only"]["grads"]:
+            assert all(step["fdp"][i] is not None for i in aux)  # used on rank 0: averaged everywhere
+            assert_all_close(step["fdp"], step["ddp"], **TIGHT)
+        assert_all_close(result["rank0_only"]["fdp"], result["rank0_only"]["ddp"], **TIGHT)
+        error = result["strict_error"]
+        assert error is not None and "'aux.weight'" in error and "'aux.bias'" in error
+        assert "find_unused_parameters=True" in error
+        assert result["group_alive"]
+
+
+def test_a_model_that_differs_across_ranks_fails_at_construction_on_every_rank(world):
+    ranks = scenario(world, "mismatch")
+    last = len(ranks) - 1
+    shape_errors = {r["shape"] for r in ranks}
+    option_errors = {r["option"] for r in ranks}
+    assert len(shape_errors) == 1 and len(option_errors) == 1  # the same message on every rank
+    shape_error, option_error = shape_errors.pop(), option_errors.pop()
+    assert shape_error is not None and option_error is not None
+    assert f"rank {last} differs from rank 0" in shape_error
+    assert "parameter '2.weight'" in shape_error and "(7, 10)" in shape_error and "(7, 11)" in shape_error
+    assert "option bucket_mb: rank 0 has 1, rank" in option_error and "has 2" in option_error
+
+
+def test_buckets_go_out_in_order_whatever_order_the_hooks_fire_in(world):
+    ranks = scenario(world, "hook_order")
+    assert ranks[0]["fired"] != ranks[1]["fired"]  # the hooks really fire in different orders
+    for result in ranks:
+        assert result["issued"] == list(range(result["n_buckets"]))
+        assert_all_close(result["fdp"], result["reference"], **TIGHT)
+
+
+@pytest.mark.parametrize("case, tolerance", [
+    ("float32+float64", dict(rtol=1e-6, atol=1e-7)),
+    ("bfloat16", dict(rtol=1e-2, atol=1e-3)),  # rounding of the bfloat16 sum
+    ("float16", dict(rtol=1e-3, atol=1e-4)),
+])
+def test_gradients_of_every_dtype_are_averaged(world2, case, tolerance):
+    for result in scenario(world2, "dtypes"):
+        outcome = result[case]
+        assert outcome["buffers"] == (2 if "+" in case else 1)
+        assert len(outcome["fdp"]) == len(outcome["expected"]) == 4
+        for grad, expected in zip(outcome["fdp"], outcome["expected"]):
+            torch.testing.assert_close(grad.double(), expected, **tolerance)
+
+
+def test_module_buffers_follow_rank_0_like_ddp_and_evaluation_issues_no_collective(world2):
+    for result in scenario(world2, "buffers"):
+        assert torch.equal(result["after_wrap"], torch.zeros(5, dtype=torch.float64))  # rank 0's running_mean
+        assert_all_close(result["fdp"], result["ddp"], **TIGHT)
+
+
+def test_requires_grad_change_needs_rewrapping_and_rewrapping_works(world2):
+    for result in scenario(world2, "rewrap"):
+        errors = result["errors"]
+        assert "requires_grad changed after wrapping" in errors["changed"] and "'0.weight'" in errors["changed"]
+        assert "replaced by a newer FusedDataParallel" in errors["retired"]
+        assert "already lives in a FlatParams" in errors["partial"]
+        assert result["same_flat"]
+        for fdp, reference in (result["first"], result["second"]):
+            assert_all_close(fdp, reference, **TIGHT)
+        assert result["first"][0][0] is None and result["second"][0][0] is not None  # 0.weight: frozen, then trained
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_a_killed_rank_makes_the_others_raise():
+    outcomes = run_world(killed_rank, 2, timeout=120, pg_timeout_s=30)
+    assert not outcomes[1].exited  # it died without a result
+    assert outcomes[0].error is not None, "the surviving rank finished as if nothing happened"
+
+
+def test_a_stalled_rank_makes_the_others_raise_within_the_timeout():
+    outcomes = run_world(stalled_rank, 2, timeout=120, pg_timeout_s=5, wait_for=[0])
+    assert outcomes[0].exited and outcomes[0].error is not None, outcomes[0]
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path):
+    script = ROOT / "examples" / "train_data_parallel.py"
+    if not script.is_file():
+        pytest.skip("needs the source tree (examples/ is not installed)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--steps", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 3/3" in result.stdout and "replicas identical: True" in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------- errors without a process group
+
+
+def test_errors_before_any_collective():
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        FusedDataParallel(torch.randn(3))
+    with pytest.raises(ValueError, match="gradient_merge_steps must be a positive int"):
+        FusedDataParallel(torch.nn.Linear(2, 2), gradient_merge_steps=0)
+    with pytest.raises(TypeError, match="find_unused_parameters must be a bool"):
+        FusedDataParallel(torch.nn.Linear(2, 2), find_unused_parameters="yes")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+            FusedDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_init_from_env_names_what_torchrun_would_have_set(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set; start the script with torchrun"):
+        init_process_group_from_env()
+
+
+def test_the_package_exports_the_wrapper():
+    assert tfuse.distributed.FusedDataParallel is FusedDataParallel

@@ -1,0 +1,243 @@
+"""All-reduce of gradient buckets during backward, in a fixed order on every rank.
+
+The reducer listens to the post-accumulate-grad hooks of a
+:class:`~tfuse.flat.FlatParams` (which bring each new gradient into the flat
+buffer, dividing it by the world size on the way when this pass will
+all-reduce). Each call marks a parameter ready; when every parameter of a bucket is ready, buckets are
+issued with ``async_op=True`` strictly in bucket order (a bucket that fills
+early waits for the ones before it), so every rank issues the same
+collectives in the same order whatever order its hooks fire in. A callback
+queued on the autograd engine runs when backward ends: it issues what is
+left, waits for every all-reduce and checks that every parameter got a
+gradient. Gradients are views of the buckets, so nothing is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tfuse.flat import Bucket, FlatParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_NAMES = 10
+
+
+class GradientReducer:
+    """Averages the gradients of a FlatParams over a process group, bucket by bucket.
+
+    Args:
+        flat: the parameters and their flat gradient buffers; its
+            :attr:`~tfuse.flat.FlatParams.buckets` are the all-reduce messages.
+        names: a readable name per parameter, for error messages.
+        group: the process group (None: the default group).
+        merge_steps: backward passes accumulated locally before one all-reduce.
+        merge_avg: divide the merged gradient by ``merge_steps`` as well.
+        find_unused: parameters without a gradient contribute zeros instead of being an error.
+
+    ``no_sync_depth`` is kept by the owning wrapper's ``no_sync()`` context,
+    and the wrapper's forward calls :meth:`prepare_for_backward`: as in DDP,
+    whether a backward pass all-reduces is decided by the forward before it.
+    """
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        names: dict[torch.nn.Parameter, str],
+        group: dist.ProcessGroup | None,
+        merge_steps: int,
+        merge_avg: bool,
+        find_unused: bool,
+    ) -> None:
+        self.flat = flat
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.merge_steps = merge_steps
+        self.merge_avg = merge_avg
+        self.find_unused = find_unused
+        self.layout_version = flat.layout_version
+        self.buckets: tuple[Bucket, ...] = tuple(flat.buckets)
+        buffers = flat.grad_buffers
+        self._regions = [buffers[b.buffer_index][b.start : b.end] for b in self.buckets]
+        self._params = [p for bucket in self.buckets for p in bucket.params]
+        self._names = names
+        self._bucket_of = {param: index for index, bucket in enumerate(self.buckets) for param in bucket.params}
+        self._sizes = [len(bucket.params) for bucket in self.buckets]
+        self.no_sync_depth = 0
+        self.forward_skipped = False
+        self._divisor = float(self.world_size * (merge_steps if merge_avg else 1))
+        self.merged_passes = 0
+        self.synchronized = False
+        self.allreduce_calls = 0  # issued by the last synchronizing backward
+        self._reset_pass()
+        self._in_backward = False
+        self._syncing = False
+        self._divided: set[torch.nn.Parameter] = set()
+        self._remove_listener = flat.add_grad_ready_listener(_make_listener(weakref.ref(self)))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def remove_hooks(self) -> None:
+        """Detaches the reducer from the parameters (a newer wrapper took them over)."""
+        self._remove_listener()
+        self.flat.fresh_grad_divisor = 1.0
+
+    def prepare_for_backward(self) -> None:
+        """Called by the wrapper's forward (grad enabled): decides what the next backward does.
+
+        When it will all-reduce, the FlatParams divides fresh gradients by
+        the averaging divisor as it copies them into the buckets, which saves
+        a separate pass over the buckets.
+        """
+        self.forward_skipped = self.no_sync_depth > 0
+        syncs = not self.forward_skipped and self.merged_passes + 1 >= self.merge_steps
+        self.flat.fresh_grad_divisor = self._divisor if syncs else 1.0
+
+    def check_idle(self) -> None:
+        """Raises if the last backward pass broke off after issuing collectives.
+
+        Called by the wrapper's forward. A backward pass that raised before
+        issuing anything is forgotten; one that raised after issuing an
+        all-reduce leaves this rank out of step with the others.
+        """
+        if not self._in_backward:
+            return
+        issued = self._next
+        self._in_backward = False
+        self._reset_pass()
+        if issued:
+            raise RuntimeError(
+                f"FusedDataParallel: the previous backward pass stopped (it raised) after issuing {issued} of "
+                f"{len(self.buckets)} gradient all-reduces; this rank is out of step with the others and cannot go on"
+            )
+        logger.warning("FusedDataParallel: the previous backward pass stopped before issuing any all-reduce; forgotten")
+
+    def _reset_pass(self) -> None:
+        self._ready_counts = [0] * len(self.buckets)
+        self._seen: set[torch.nn.Parameter] = set()
+        self._divided = set()
+        self._next = 0
+        self._works: list = []
+
+    # ------------------------------------------------------------------ backward
+
+    def on_grad_ready(self, param: torch.nn.Parameter, divided: bool) -> None:
+        """Listener body: ``param.grad`` is final for this backward pass and lives in its bucket.
+
+        ``divided``: the gradient was divided by the averaging divisor as it was copied in.
+        """
+        if not self._in_backward:
+            self._start_pass()
+        if not self._syncing:
+            if divided:  # cannot happen: the divisor is only set for passes that sync
+                raise RuntimeError("FusedDataParallel: internal error: a gradient was averaged in a pass that does not sync")
+            return
+        if param in self._seen:
+            raise RuntimeError(
+                f"FusedDataParallel: parameter {self._names[param]!r} received its gradient twice in one backward "
+                "pass (reentrant activation checkpointing? use torch.utils.checkpoint(..., use_reentrant=False))"
+            )
+        self._seen.add(param)
+        if divided:
+            self._divided.add(param)
+        index = self._bucket_of[param]
+        self._ready_counts[index] += 1
+        while self._next < len(self.buckets) and self._ready_counts[self._next] == self._sizes[self._next]:
+            self._issue(self._next)
+
+    def _start_pass(self) -> None:
+        if self.flat.layout_version != self.layout_version:
+            raise RuntimeError(
+                "FusedDataParallel: the parameters' flat layout changed after wrapping (requires_grad changed?); "
+                "wrap the module again: model = FusedDataParallel(model.module, ...)"
+            )
+        self._in_backward = True
+        self._reset_pass()
+        if not self.forward_skipped:
+            self.merged_passes += 1
+        self._syncing = not self.forward_skipped and self.merged_passes >= self.merge_steps
+        self.flat.fresh_grad_divisor = self._divisor if self._syncing else 1.0
+        self.synchronized = False
+        # Runs once backward has finished every node; it waits for the all-reduces.
+        torch.autograd.Variable._execution_engine.queue_callback(_make_finish(weakref.ref(self)))
+
+    def _issue(self, index: int) -> None:
+        region = self._regions[index]
+        if self._divisor != 1:
+            # Divide before summing so float16/bfloat16 sums stay in range; gradients copied
+            # into the bucket in this pass were divided on the way in.
+            pending = [p for p in self.buckets[index].params if p not in self._divided]
+            if len(pending) == len(self.buckets[index].params):
+                region.div_(self._divisor)
+            else:
+                for param in pending:
+                    self.flat.grad_view(param).div_(self._divisor)
+        self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._next = index + 1
+
+    def finish_pass(self) -> None:
+        """End-of-backward callback: issues what is left, waits for everything, checks for missing gradients."""
+        self._in_backward = False
+        self.flat.fresh_grad_divisor = 1.0
+        if not self._syncing:
+            return
+        self.merged_passes = 0
+        missing = [p for index in range(self._next, len(self.buckets)) for p in self.buckets[index].params if p not in self._seen]
+        for param in missing:
+            # Missing here may still hold a gradient from an earlier merged pass; none means zeros.
+            self.flat.adopt_grad(param)
+        for index in range(self._next, len(self.buckets)):
+            self._issue(index)
+        used_counts = self._all_reduce_used_flags() if self.find_unused else None
+        for work in self._works:
+            work.wait()
+        self.allreduce_calls = len(self._works)
+        self._reset_pass()
+        if used_counts is not None:
+            for param, count in zip(self._params, used_counts):
+                if count > 0 and param.grad is None:
+                    self.flat.attach_grad(param)  # used on another rank: it holds the average now
+        elif missing:
+            self._raise_missing(missing)
+        self.synchronized = True
+
+    def _all_reduce_used_flags(self) -> list[int]:
+        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        device = self._regions[0].device
+        on_device = flags.to(device)
+        self._works.append(dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._works[-1].wait()
+        return on_device.tolist()
+
+    def _raise_missing(self, missing: Sequence[torch.nn.Parameter]) -> None:
+        names = [repr(self._names[p]) for p in missing]
+        shown = ", ".join(names[:_MAX_NAMES]) + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
+        raise RuntimeError(
+            f"FusedDataParallel: {len(missing)} parameter(s) received no gradient in this backward pass: {shown}. "
+            "If parts of the model are skipped in some iterations, pass find_unused_parameters=True (they then "
+            "contribute zeros); otherwise make every parameter take part in the loss or set requires_grad=False. "
+            "The all-reduces were completed with zeros for them so that other ranks do not hang."
+        )
+
+
+def _make_listener(reducer: weakref.ref):
+    def listener(param: torch.nn.Parameter, divided: bool) -> None:
+        target = reducer()
+        if target is not None:
+            target.on_grad_ready(param, divided)
+
+    return listener
+
+
+def _make_finish(reducer: weakref.ref):
+    def finish() -> None:
+        target = reducer()
+        if target is not None:
+            target.finish_pass()
+
+    return finish

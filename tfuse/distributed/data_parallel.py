@@ -1,0 +1,290 @@
+"""FusedDataParallel: data-parallel training with bucketed, overlapped gradient all-reduce."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tfuse.distributed._reducer import GradientReducer
+from tfuse.distributed._replica_check import check_replicas_match, describe_replica
+from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
+from tfuse.flat import Bucket, FlatParams, owner_of
+
+logger = logging.getLogger(__name__)
+
+# The reducer currently attached to each FlatParams: wrapping the same
+# parameters again (after changing requires_grad, say) retires the old one.
+_ACTIVE_REDUCER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class FusedDataParallel(torch.nn.Module):
+    """Data-parallel training with gradients all-reduced in a few fused buckets.
+
+    Used like :class:`torch.nn.parallel.DistributedDataParallel`: every
+    process (rank) wraps the same model, feeds it its own share of the batch,
+    and after ``loss.backward()`` every rank holds the gradient averaged over
+    all ranks. The parameters and gradients are coalesced into
+    :class:`tfuse.flat.FlatParams` buffers, so gradients are views of the
+    all-reduce buckets (no copies), and a tfuse optimizer created afterwards
+    updates the same buffers (one flat buffer feeds both). Any
+    ``torch.optim`` optimizer works as well.
+
+    At construction every rank checks its layout (parameter names, shapes,
+    dtypes, offsets, buckets, options, module buffers) against rank 0's with
+    one small all-gather and raises the same error naming the first
+    difference on every rank; then parameters and buffers are broadcast from
+    rank 0.
+
+    In backward, a hook per parameter marks its gradient ready; a bucket whose
+    gradients are all ready is all-reduced asynchronously while backward goes
+    on. Buckets are issued in the same order on every rank (a bucket that
+    fills early waits for those before it), and the wrapper waits for all of
+    them **at the end of backward**: when ``loss.backward()`` returns, the
+    gradients are averaged and the optimizer can step. Averaging divides each
+    bucket by the world size *before* the sum, so float16/bfloat16 sums do
+    not overflow (at the cost of underflow for tiny values).
+
+    Args:
+        module: the model; all its parameters on one device (a GPU per process
+            with NCCL, the CPU with gloo).
+        bucket_mb: largest all-reduce message in MB (10**6 bytes); None: one
+            bucket per flat buffer. Smaller buckets start earlier in backward,
+            larger ones pay the per-call latency fewer times.
+        max_params_per_bucket: most gradient tensors per bucket; None: no cap.
+        process_group: the group to average over (None: the default group).
+        broadcast_buffers: broadcast module buffers (e.g. batch-norm running
+            statistics) from rank 0 at the start of every forward run with
+            gradients enabled. Forwards under ``torch.no_grad()`` run without
+            any collective, so evaluating on one rank alone is safe.
+        gradient_merge_steps: accumulate gradients locally for this many
+            backward passes, then all-reduce once (the seeds' gradient merge).
+        gradient_merge_avg: divide the merged gradient by
+            ``gradient_merge_steps`` too (an average over micro-batches).
+        find_unused_parameters: parameters that get no gradient in a backward
+            pass contribute zeros (a parameter unused on every rank keeps
+            ``grad=None``, as with DDP); without it such parameters raise an
+            error naming them. Buckets holding them are sent when backward ends.
+
+    Attributes:
+        flat: the :class:`~tfuse.flat.FlatParams` holding parameters and gradients.
+        num_grad_tensors: gradient tensors per step (trainable parameters).
+        num_allreduce_calls: all-reduce calls per step after fusion (buckets).
+        gradients_synchronized: True after a backward pass that averaged the
+            gradients, False after one that only accumulated (``no_sync()``, or
+            a gradient-merge step that is not the last).
+
+    Example (``torchrun --nproc_per_node=2 train.py``)::
+
+        device = tfuse.distributed.init_process_group_from_env()
+        model = FusedDataParallel(build_model().to(device), bucket_mb=25)
+        optimizer = tfuse.optim.FusedAdam(model.parameters(), lr=1e-3)
+        for inputs, targets in loader:  # each rank its own shard
+            loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+            loss.backward()  # returns with gradients averaged over ranks
+            optimizer.step()
+            optimizer.zero_grad()
+
+    With ``gradient_merge_steps=k``, step the optimizer when
+    ``model.gradients_synchronized`` is True (every k-th backward).
+
+    Parameters may not change ``requires_grad`` after wrapping (their flat
+    layout is fixed); to freeze or unfreeze, wrap again:
+    ``model = FusedDataParallel(model.module, ...)``.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        bucket_mb: float | None = 16,
+        max_params_per_bucket: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        gradient_merge_steps: int = 1,
+        gradient_merge_avg: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_arguments(module, gradient_merge_steps, gradient_merge_avg, broadcast_buffers, find_unused_parameters)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FusedDataParallel: torch.distributed is not initialized; call torch.distributed.init_process_group "
+                "(or tfuse.distributed.init_process_group_from_env under torchrun) before wrapping the model"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_merge_steps = gradient_merge_steps
+        self.gradient_merge_avg = gradient_merge_avg
+        self.find_unused_parameters = find_unused_parameters
+        names = _parameter_names(module)
+        params = list(names)
+        device = _single_device(params, names)
+        flat = _flat_params_for(params, names, bucket_mb, max_params_per_bucket)
+        self._flat_ref = flat  # a plain attribute: not a submodule, not in state_dict
+        self._params = params
+        self._param_names = [names[p] for p in params]
+        self._requires_grad = [p.requires_grad for p in params]
+        options = {
+            "bucket_mb": bucket_mb,
+            "max_params_per_bucket": max_params_per_bucket,
+            "broadcast_buffers": broadcast_buffers,
+            "gradient_merge_steps": gradient_merge_steps,
+            "gradient_merge_avg": gradient_merge_avg,
+            "find_unused_parameters": find_unused_parameters,
+        }
+        check_replicas_match(describe_replica(module, flat, names, options), process_group, device)
+        broadcast_parameters(flat, process_group)
+        broadcast_tensors(list(module.buffers()), process_group)
+        previous = _ACTIVE_REDUCER.get(flat)
+        if previous is not None and previous() is not None:
+            previous().remove_hooks()
+            previous().retired = True
+        self._reducer = GradientReducer(flat, names, process_group, gradient_merge_steps, gradient_merge_avg, find_unused_parameters)
+        self._reducer.retired = False
+        _ACTIVE_REDUCER[flat] = weakref.ref(self._reducer)
+        self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
+        self.num_allreduce_calls = len(flat.buckets)
+        rank = dist.get_rank(process_group)
+        logger.log(
+            logging.INFO if rank == 0 else logging.DEBUG,
+            "FusedDataParallel: %d gradient tensors, %d all-reduce calls per step after fusion "
+            "(bucket_mb=%s, max_params_per_bucket=%s); world size %d, %s",
+            self.num_grad_tensors,
+            self.num_allreduce_calls,
+            bucket_mb,
+            max_params_per_bucket,
+            dist.get_world_size(process_group),
+            flat.describe(),
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def flat(self) -> FlatParams:
+        """The flat buffers holding the parameters and their gradients."""
+        return self._flat_ref
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The all-reduce buckets, in the order they are issued."""
+        return self._reducer.buckets
+
+    @property
+    def gradients_synchronized(self) -> bool:
+        """Whether the last backward pass averaged the gradients over the ranks."""
+        return self._reducer.synchronized
+
+    # ------------------------------------------------------------------ training
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module; with gradients enabled, first broadcasts buffers from rank 0."""
+        if self._reducer.retired:
+            raise RuntimeError(
+                "FusedDataParallel: this wrapper was replaced by a newer FusedDataParallel of the same parameters; "
+                "use the new one"
+            )
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
+            self._reducer.check_idle()
+            self._reducer.prepare_for_backward()
+            if self.broadcast_buffers:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    broadcast_tensors(buffers, self.process_group)
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes whose forward runs inside only accumulate gradients locally.
+
+        As with DDP, the forward decides: run the forward inside the context
+        (the backward may be inside or after it); the first backward of a
+        forward outside the context all-reduces the accumulated gradients. Passes inside do
+        not count toward ``gradient_merge_steps`` and are not divided by it.
+
+        Example::
+
+            with model.no_sync():
+                loss_fn(model(x1), y1).backward()  # local only
+            loss_fn(model(x2), y2).backward()  # all-reduces the sum of both
+        """
+        self._reducer.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._reducer.no_sync_depth -= 1
+
+    def _check_requires_grad(self) -> None:
+        if all(p.requires_grad == before for p, before in zip(self._params, self._requires_grad)):
+            return
+        changed = [self._param_names[i] for i, p in enumerate(self._params) if p.requires_grad != self._requires_grad[i]]
+        raise RuntimeError(
+            f"FusedDataParallel: requires_grad changed after wrapping for {', '.join(repr(n) for n in changed[:10])}"
+            f"{' and more' if len(changed) > 10 else ''}; the flat gradient layout is fixed at wrapping, so wrap "
+            "again: model = FusedDataParallel(model.module, ...)"
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_grad_tensors} gradient tensors in {self.num_allreduce_calls} all-reduce buckets, "
+            f"gradient_merge_steps={self.gradient_merge_steps}, find_unused_parameters={self.find_unused_parameters}"
+        )
+
+
+def _check_arguments(module: Any, merge_steps: Any, merge_avg: Any, broadcast_buffers: Any, find_unused: Any) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"FusedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, FusedDataParallel):
+        raise TypeError("FusedDataParallel: the module is already a FusedDataParallel; wrap its .module instead")
+    if isinstance(merge_steps, bool) or not isinstance(merge_steps, int) or merge_steps < 1:
+        raise ValueError(f"FusedDataParallel: gradient_merge_steps must be a positive int, got {merge_steps!r}")
+    for name, value in (("gradient_merge_avg", merge_avg), ("broadcast_buffers", broadcast_buffers), ("find_unused_parameters", find_unused)):
+        if not isinstance(value, bool):
+            raise TypeError(f"FusedDataParallel: {name} must be a bool, got {value!r}")
+
+
+def _parameter_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each distinct parameter (tied ones once) with its first name, in registration order."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, name)
+    return names
+
+
+def _single_device(params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str]) -> torch.device:
+    if not any(p.requires_grad for p in params):
+        raise ValueError("FusedDataParallel: the module has no parameter that requires a gradient; nothing to synchronize")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        listing = ", ".join(f"{names[p]!r} on {p.device}" for p in params[:6])
+        raise ValueError(
+            f"FusedDataParallel: the module's parameters are on {len(devices)} devices ({listing}, ...); "
+            "put the whole replica on one device (one GPU per process)"
+        )
+    return devices.pop()
+
+
+def _flat_params_for(
+    params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str], bucket_mb: float | None, max_params: int | None
+) -> FlatParams:
+    """A new FlatParams for ``params``, or the existing one that holds exactly them (re-bucketed)."""
+    owners = {owner_of(p) for p in params}
+    if owners == {None}:
+        return FlatParams(params, bucket_mb=bucket_mb, max_params_per_bucket=max_params)
+    owner = next(iter(owners)) if len(owners) == 1 else None
+    if owner is None or set(owner.params) != set(params):
+        taken = next(p for p in params if owner_of(p) is not None)
+        raise ValueError(
+            f"FusedDataParallel: parameter {names[taken]!r} already lives in a FlatParams that does not hold exactly "
+            "this module's parameters (a fused optimizer created before wrapping, over a different set?); wrap the "
+            "model first and create the optimizer from the wrapped model's parameters"
+        )
+    owner.sync_grads()  # re-lays out if requires_grad changed since it was built
+    owner.set_buckets(bucket_mb, max_params)
+    return owner

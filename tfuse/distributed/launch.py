@@ -1,0 +1,60 @@
+"""Process-group set-up for scripts started by ``torchrun``."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group_from_env(backend: str | None = None, timeout: datetime.timedelta | None = None) -> torch.device:
+    """Joins the process group that ``torchrun`` describes and returns this process's device.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``LOCAL_RANK`` (env:// initialisation). The backend defaults to NCCL when
+    CUDA is available, with one GPU per process (``cuda:LOCAL_RANK``, made the
+    current device), and to gloo on the CPU otherwise.
+
+    Args:
+        backend: "nccl", "gloo" or None (choose as above).
+        timeout: how long a collective may wait for the other ranks before it
+            fails with an error (None: torch's default for the backend).
+
+    Example (run with ``torchrun --nproc_per_node=2 train.py``)::
+
+        device = tfuse.distributed.init_process_group_from_env()
+        model = tfuse.distributed.FusedDataParallel(build_model().to(device))
+    """
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_process_group_from_env: environment variable(s) {', '.join(missing)} not set; start the script "
+            "with torchrun (e.g. torchrun --nproc_per_node=2 train.py), which sets them"
+        )
+    if dist.is_initialized():
+        raise RuntimeError("init_process_group_from_env: the default process group is already initialized")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("init_process_group_from_env: the NCCL backend needs CUDA, and CUDA is not available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"init_process_group_from_env: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                "are visible; start at most one process per GPU"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    logger.info("rank %d of %d joined the %s process group on %s", dist.get_rank(), dist.get_world_size(), backend, device)
+    return device
