@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ["add", "add_act", "linear", "bn_act", "optim"]  # module names under benchmarks/, each with NAME and run()
+BENCHMARKS = ["add", "add_act", "linear", "bn_act", "optim", "allreduce"]  # module names under benchmarks/, each with NAME and run()
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

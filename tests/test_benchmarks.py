@@ -90,3 +90,15 @@ def test_optim_benchmark(tmp_path):
         assert all(row["launches"] == "-" for row in rows)  # the PyTorch path launches no Triton kernel
     else:
         assert all(row["launches"] == "1" for row in rows)  # one flat buffer, one launch
+
+
+def test_allreduce_benchmark(tmp_path):
+    rows = _run_quick("allreduce", tmp_path)
+    by_config = {row["configuration"]: row for row in rows}
+    assert by_config["per-tensor all-reduce after backward"]["all-reduce calls"] == "5"  # tiny shapes: 5 tensors
+    assert by_config["backward only (no sync)"]["all-reduce calls"] == "0"
+    tfuse_rows = [row for name, row in by_config.items() if name.startswith("tfuse bucket_mb=")]
+    assert len(tfuse_rows) == 7  # the bucket_mb sweep (5) and the CNN steps (2)
+    assert by_config["tfuse max_params_per_bucket=1"]["all-reduce calls"] == "5"  # the count cap splits every tensor
+    assert "torch DDP bucket_cap_mb=25" in by_config
+    assert all(float(row["step ms"]) > 0 for row in rows)

@@ -1,0 +1,311 @@
+"""Benchmark of gradient all-reduce: per-tensor, tfuse's fused buckets and torch DDP.
+
+Launches its own ranks (2 processes, gloo on the CPU; NCCL with one GPU per
+rank when the machine has two or more GPUs) and measures, in one run:
+
+1. ResNet-50's gradient set (161 float32 tensors, 25.6M elements, 102 MB)
+   with a cheap forward (each parameter times a scalar, summed), so that
+   gradient synchronisation dominates the step: backward alone, backward then
+   one all-reduce per tensor, backward then one all-reduce of the whole flat
+   buffer, :class:`tfuse.distributed.FusedDataParallel` with a bucket_mb sweep
+   and a count-cap sweep (all-reduces overlapping backward), and torch DDP
+   with ``bucket_cap_mb=25``.
+2. A whole training step (forward, backward, SGD with momentum) of a small
+   CNN: local only, DDP, and FusedDataParallel with FusedMomentum and with
+   torch's SGD.
+
+Collectives need every rank to run the same number of iterations, so the
+timing loop is a fixed count (``triton.testing.do_bench`` picks its own
+count per process) with a barrier before each timed iteration; an
+iteration's time is the slowest rank's, and the table shows the median over
+rounds that cycle through every configuration (so drift on a shared
+machine hits them all alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .harness import Column, Context, Report
+
+NAME = "allreduce"
+WORLD_SIZE = 2
+BUCKET_MB_SWEEP = (1, 4, 16, 25, 64)
+COUNT_CAP_SWEEP = (1, 8, 32, 128)
+DDP_BUCKET_MB = 25
+
+
+@dataclasses.dataclass
+class _Config:
+    label: str
+    panel: str  # "resnet50-sync" or "cnn-step"
+    step: Callable[[], None]
+    calls: Callable[[], int | None]
+    x: float | None = None  # plotted against (bucket_mb or count cap)
+    sweep: str = ""
+
+
+class _CheapModel(torch.nn.Module):
+    """Parameters with given shapes and a forward that costs one multiply per element."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], device: torch.device) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.01).to(device)) for shape in shapes
+        )
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(weight * scale).sum() for weight in self.weights]).sum()
+
+
+def _small_cnn(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(64, 128, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(128, 10),
+    ).to(device)
+
+
+def _ddp_bucket_count(model: torch.nn.parallel.DistributedDataParallel) -> int | None:
+    """DDP's current bucket count (after its rebuild); private API, so None if it is gone."""
+    try:
+        return len(model.reducer._get_zeros_like_grad_buckets())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _sync_configs(shapes: list[tuple[int, ...]], device: torch.device) -> list[_Config]:
+    from tfuse.distributed import FusedDataParallel
+    from tfuse.flat import FlatParams
+
+    world = dist.get_world_size()
+    scale = torch.tensor(1.0 + dist.get_rank(), device=device)
+    configs = []
+
+    local = _CheapModel(shapes, device)
+
+    def backward_only() -> None:
+        local.zero_grad()
+        local(scale).backward()
+
+    def per_tensor() -> None:
+        backward_only()
+        works = [dist.all_reduce(p.grad.div_(world), async_op=True) for p in local.parameters()]
+        for work in works:
+            work.wait()
+
+    flat_model = _CheapModel(shapes, device)
+    flat = FlatParams(flat_model.parameters())
+
+    def one_flat_all_reduce() -> None:
+        flat.zero_grad()
+        flat_model(scale).backward()
+        for buffer in flat.grad_buffers:
+            dist.all_reduce(buffer.div_(world))
+
+    n = len(shapes)
+    configs += [
+        _Config("backward only (no sync)", "resnet50-sync", backward_only, lambda: 0),
+        _Config("per-tensor all-reduce after backward", "resnet50-sync", per_tensor, lambda: n),
+        _Config("one flat all-reduce after backward", "resnet50-sync", one_flat_all_reduce, lambda: len(flat.grad_buffers)),
+    ]
+    for bucket_mb in BUCKET_MB_SWEEP:
+        configs.append(_fdp_config(FusedDataParallel, shapes, device, scale, f"tfuse bucket_mb={bucket_mb}", bucket_mb, None,
+                                   x=bucket_mb, sweep="bucket_mb sweep"))
+    for cap in COUNT_CAP_SWEEP:
+        configs.append(_fdp_config(FusedDataParallel, shapes, device, scale, f"tfuse max_params_per_bucket={cap}", None, cap,
+                                   x=cap, sweep="count-cap sweep (bucket_mb=None)"))
+    for as_view in (False, True):
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _CheapModel(shapes, device), bucket_cap_mb=DDP_BUCKET_MB, gradient_as_bucket_view=as_view
+        )
+
+        def ddp_step(model: torch.nn.Module = ddp) -> None:
+            model.zero_grad()
+            model(scale).backward()
+
+        label = f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}" + (", gradient_as_bucket_view" if as_view else "")
+        configs.append(_Config(label, "resnet50-sync", ddp_step, lambda model=ddp: _ddp_bucket_count(model)))
+    return configs
+
+
+def _fdp_config(wrapper: type, shapes, device, scale, label, bucket_mb, cap, x, sweep) -> _Config:
+    model = wrapper(_CheapModel(shapes, device), bucket_mb=bucket_mb, max_params_per_bucket=cap)
+
+    def step() -> None:
+        model.flat.zero_grad()
+        model(scale).backward()
+
+    return _Config(label, "resnet50-sync", step, lambda: model.num_allreduce_calls, x=x, sweep=sweep)
+
+
+def _cnn_configs(device: torch.device, quick: bool) -> list[_Config]:
+    from tfuse.distributed import FusedDataParallel
+    from tfuse.optim import FusedMomentum
+
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    batch = 8 if quick else 32
+    images = torch.randn(batch, 3, 32, 32, generator=generator).to(device)
+    labels = torch.randint(0, 10, (batch,), generator=generator).to(device)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
+            optimizer.zero_grad()
+            loss_fn(model(images), labels).backward()
+            optimizer.step()
+
+        return step
+
+    local = _small_cnn(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(_small_cnn(device), bucket_cap_mb=DDP_BUCKET_MB)
+    fdp_fused = FusedDataParallel(_small_cnn(device), bucket_mb=DDP_BUCKET_MB)
+    fdp_torch = FusedDataParallel(_small_cnn(device), bucket_mb=DDP_BUCKET_MB)
+    sgd = dict(lr=0.01, momentum=0.9)
+    return [
+        _Config("local step (no sync), torch SGD", "cnn-step", make_step(local, torch.optim.SGD(local.parameters(), **sgd)),
+                lambda: 0),
+        _Config(f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD", "cnn-step",
+                make_step(ddp, torch.optim.SGD(ddp.parameters(), **sgd)), lambda: _ddp_bucket_count(ddp)),
+        _Config(f"tfuse bucket_mb={DDP_BUCKET_MB}, FusedMomentum", "cnn-step",
+                make_step(fdp_fused, FusedMomentum(fdp_fused.parameters(), **sgd)), lambda: fdp_fused.num_allreduce_calls),
+        _Config(f"tfuse bucket_mb={DDP_BUCKET_MB}, torch SGD", "cnn-step",
+                make_step(fdp_torch, torch.optim.SGD(fdp_torch.parameters(), **sgd)), lambda: fdp_torch.num_allreduce_calls),
+    ]
+
+
+def _time_configs(configs: list[_Config], device: torch.device, rounds: int, iterations: int) -> list[float]:
+    """Median over rounds x iterations of the slowest rank's time per step, in ms, per config."""
+    for config in configs:  # warm-up (DDP rebuilds its buckets after its first iteration)
+        for _ in range(2):
+            config.step()
+    times = [[] for _ in configs]
+    for _ in range(rounds):
+        for index, config in enumerate(configs):
+            for _ in range(iterations):
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                config.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[index].append((time.perf_counter() - start) * 1e3)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [statistics.median(row) for row in slowest.cpu().tolist()]
+
+
+def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: str, quick: bool) -> None:
+    from .optim import resnet50_shapes, tiny_shapes
+
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # FusedMomentum on the CPU: the PyTorch path (the interpreter is for values, not speed).
+        os.environ["TFUSE_BACKEND"] = "torch"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        shapes = tiny_shapes() if quick else resnet50_shapes()
+        rounds, iterations = (1, 2) if quick else (5, 4)
+        configs = _sync_configs(shapes, device) + _cnn_configs(device, quick)
+        medians = _time_configs(configs, device, rounds, iterations)
+        rows = [
+            {"panel": c.panel, "label": c.label, "calls": c.calls(), "ms": ms, "x": c.x, "sweep": c.sweep}
+            for c, ms in zip(configs, medians)
+        ]
+        if rank == 0:
+            Path(out_file).write_text(json.dumps({"rows": rows, "tensors": len(shapes), "rounds": rounds,
+                                                  "iterations": iterations,
+                                                  "mbytes": sum(torch.Size(s).numel() for s in shapes) * 4 / 1e6}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(backend: str, quick: bool) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
+        ranks = [context.Process(target=_rank_main, args=(rank, WORLD_SIZE, backend, init_file, out_file, quick))
+                 for rank in range(WORLD_SIZE)]
+        for process in ranks:
+            process.start()
+        deadline = time.monotonic() + (300 if quick else 1200)
+        for process in ranks:
+            process.join(max(1.0, deadline - time.monotonic()))
+        stuck = [p for p in ranks if p.is_alive()]
+        for process in stuck:
+            process.kill()
+        failed = [p.exitcode for p in ranks]
+        if stuck or any(code != 0 for code in failed):
+            raise RuntimeError(f"allreduce benchmark: ranks exited with {failed} ({len(stuck)} killed after the deadline)")
+        return json.loads(Path(out_file).read_text())
+
+
+def run(ctx: Context) -> Report:
+    multi_gpu = ctx.machine.on_gpu and torch.cuda.device_count() >= WORLD_SIZE
+    backend = "nccl" if multi_gpu else "gloo"
+    result = _launch(backend, ctx.quick)
+    rows = result["rows"]
+    by_label = {row["label"]: row for row in rows}
+    baseline = {panel: next(r["ms"] for r in rows if r["panel"] == panel and r["calls"] == 0) for panel in ("resnet50-sync", "cnn-step")}
+    ddp_sync = by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"]["ms"]
+    ddp_cnn = by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD"]["ms"]
+    for row in rows:
+        row["sync_ms"] = row["ms"] - baseline[row["panel"]] if row["calls"] != 0 else None
+        reference = ddp_sync if row["panel"] == "resnet50-sync" else ddp_cnn
+        row["vs_ddp"] = row["ms"] / reference if row["calls"] != 0 else None
+    shapes = "tiny shapes (--quick)" if ctx.quick else "ResNet-50"
+    for row in rows:
+        row["what"] = f"{shapes} gradients, cheap forward" if row["panel"] == "resnet50-sync" else "small CNN training step"
+    notes = [
+        f"{WORLD_SIZE} ranks, {backend}"
+        + (", one GPU each." if backend == "nccl" else f", one process each on this {os.cpu_count()}-core CPU "
+           f"({max(1, (os.cpu_count() or 1) // WORLD_SIZE)} torch thread per rank)."),
+        f"Sync rows: {shapes} gradient shapes ({result['tensors']} float32 tensors, {result['mbytes']:.1f} MB); "
+        "forward = each parameter times a scalar, summed, so a step is mostly backward + gradient synchronisation. "
+        "step ms = zero_grad + forward + backward + synchronisation (the all-reduces tfuse and DDP overlap with "
+        "backward); sync ms = step ms minus the 'backward only' row.",
+        "CNN rows: a whole training step (zero_grad, forward, cross-entropy, backward, SGD momentum 0.9) of a "
+        "3-conv CNN on a 32x3x32x32 batch per rank.",
+        f"Every iteration's time is the slowest rank's; the median over {result['rounds']} rounds x "
+        f"{result['iterations']} iterations, rounds cycling "
+        "through all configurations. calls = all-reduce calls per step (DDP: its buckets after the rebuild).",
+        "vs DDP = step time / the DDP row of the same block (below 1: faster than DDP).",
+    ]
+    if backend == "gloo":
+        notes.append(
+            "CPU run: both ranks, their gloo threads and backward share the same cores, so overlapping "
+            "communication with backward buys less than on GPUs, where NCCL runs beside the compute."
+        )
+    columns = [
+        Column("what", "what"), Column("label", "configuration"), Column("calls", "all-reduce calls"),
+        Column("ms", "step ms", "{:.1f}"), Column("sync_ms", "sync ms", "{:.1f}"), Column("vs_ddp", "vs DDP", "{:.2f}x"),
+    ]
+    plotted = [dict(row, plot=bool(row["sweep"]), step_ms=row["ms"]) for row in rows]
+    return Report(
+        name=NAME, title="Gradient all-reduce: per-tensor vs tfuse FusedDataParallel vs torch DDP",
+        notes=notes, columns=columns, rows=plotted, plot_panels="sweep", plot_x="x",
+        plot_lines=[("step_ms", "tfuse FusedDataParallel step")], plot_xlabel="bucket_mb / max_params_per_bucket",
+        plot_ylabel="ms per step", reference_line=(ddp_sync, f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"),
+    )
