@@ -11,7 +11,7 @@ import tfuse.ops.add_act as add_act_op
 from tfuse.ops import _tiles
 
 from conftest import ON_CUDA
-from helpers import make_input, torch_activation
+from helpers import make_input, torch_activation, unit_roundoff
 
 ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -341,15 +341,29 @@ def test_autocast_leaves_add_act_alone_as_it_does_add_and_activations(device):
 )
 def test_more_than_2_31_elements_on_gpu(device):
     numel = 2**31 + 4099
+    windows = [slice(0, 4096), slice(2**31 - 2048, 2**31 + 2048), slice(numel - 1024, numel)]  # disjoint
     x = torch.randn(numel, device=device, dtype=torch.float16).requires_grad_()
     bias = torch.randn((), device=device, dtype=torch.float16).requires_grad_()
+    # The incoming gradient is zero except in the windows, so the bias gradient is a sum of a few thousand
+    # known terms: an element read from the wrong offset (int32 wrap-around past 2**31) changes it.
+    dy = torch.zeros(numel, device=device, dtype=torch.float16)
+    for window in windows:
+        dy[window] = torch.randn(window.stop - window.start, device=device, dtype=torch.float16)
     y = tfuse.add_act(x, bias, act="silu")
-    y.backward(torch.ones_like(y))
-    for start in (0, 2**31 - 2048, numel - 4096):
-        window = slice(start, start + 4096)
+    y.backward(dy)
+    expected_bias_grad = torch.zeros((), dtype=torch.float64, device=device)
+    magnitude = torch.zeros((), dtype=torch.float64, device=device)
+    for window in windows:
         z = (x.detach()[window].float() + bias.detach().float()).requires_grad_()
         expected = F.silu(z)
-        expected.sum().backward()
+        expected.backward(dy[window].float())
         torch.testing.assert_close(y.detach()[window], expected.half())
         torch.testing.assert_close(x.grad[window], z.grad.half())
-    assert torch.isfinite(bias.grad)
+        terms = z.grad.double()
+        expected_bias_grad += terms.sum()
+        magnitude += terms.abs().sum()
+    outside = slice(2**30, 2**30 + 4096)
+    assert torch.count_nonzero(x.grad[outside]) == 0
+    # float32 accumulation of at most 3 * 4096 nonzero terms, rounded once to float16.
+    bound = unit_roundoff(torch.float16) * expected_bias_grad.abs() + 3 * 4096 * unit_roundoff(torch.float32) * magnitude
+    assert (bias.grad.double() - expected_bias_grad).abs() <= bound

@@ -139,7 +139,8 @@ class FusedAdam(FlatOptimizer):
             exp_avgs = [unit.buffers["exp_avg"][s:e] for s, e in spans]
             exp_avg_sqs = [unit.buffers["exp_avg_sq"][s:e] for s, e in spans]
             maxes = [unit.buffers["max_exp_avg_sq"][s:e] for s, e in spans] if spec["amsgrad"] else []
-            step = torch.tensor(float(spec["step"]), dtype=torch.float32)
+            # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
+            step = torch.tensor(float(spec["step"]), dtype=torch.float32, device=unit.device)
             fused = torch._fused_adamw_ if spec["decoupled"] else torch._fused_adam_
             fused(
                 params, grads, exp_avgs, exp_avg_sqs, maxes, [step] * len(spans),
