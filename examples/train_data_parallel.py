@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 examples/train_data_parallel.py --steps 20
 
 On GPUs every process takes the GPU of its LOCAL_RANK and the ranks talk
-through NCCL; without a GPU they use gloo on the CPU. Each rank trains on
+through NCCL; without a GPU (or with fewer GPUs than processes, or with
+--backend gloo) they use gloo on the CPU. Each rank trains on
 its own synthetic shard; rank 0 prints the loss averaged over ranks.
 """
 
@@ -32,11 +33,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: NCCL if each rank has a GPU")
     parser.add_argument("--merge", type=int, default=1, help="gradient_merge_steps (micro-batches per optimizer step)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    device = init_process_group_from_env()
+    device = init_process_group_from_env(backend=args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = FusedDataParallel(build_model().to(device), bucket_mb=args.bucket_mb, gradient_merge_steps=args.merge)

@@ -250,5 +250,29 @@ def test_init_from_env_names_what_torchrun_would_have_set(monkeypatch):
         init_process_group_from_env()
 
 
+def test_default_backend_is_nccl_only_when_each_local_rank_has_a_gpu(monkeypatch, caplog):
+    from tfuse.distributed import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert launch._default_backend() == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc_per_node=2 on a one-GPU machine
+    with caplog.at_level("WARNING", logger="tfuse.distributed.launch"):
+        assert launch._default_backend() == "gloo"
+    assert "2 processes on this node but 1 GPU(s) visible" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch._default_backend() == "gloo"
+
+
+def test_init_from_env_rejects_an_unknown_backend(monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(ValueError, match="backend must be 'nccl', 'gloo' or None, got 'mpi'"):
+        init_process_group_from_env(backend="mpi")
+
+
 def test_the_package_exports_the_wrapper():
     assert tfuse.distributed.FusedDataParallel is FusedDataParallel

@@ -18,12 +18,16 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
     """Joins the process group that ``torchrun`` describes and returns this process's device.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-    ``LOCAL_RANK`` (env:// initialisation). The backend defaults to NCCL when
-    CUDA is available, with one GPU per process (``cuda:LOCAL_RANK``, made the
-    current device), and to gloo on the CPU otherwise.
+    ``LOCAL_RANK`` (env:// initialisation). With ``backend=None`` the choice
+    is NCCL with one GPU per process (``cuda:LOCAL_RANK``, made the current
+    device) when every process on this node can have a GPU of its own
+    (``LOCAL_WORLD_SIZE`` <= visible GPUs), and gloo on the CPU otherwise —
+    e.g. two ranks started on a one-GPU machine — with a log line that says
+    why. Pass ``backend="gloo"`` to train on the CPU on a GPU machine.
 
     Args:
-        backend: "nccl", "gloo" or None (choose as above).
+        backend: "nccl" (one GPU per process; an error if this node has too
+            few), "gloo" (the CPU) or None (choose as above).
         timeout: how long a collective may wait for the other ranks before it
             fails with an error (None: torch's default for the backend).
 
@@ -41,7 +45,9 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
     if dist.is_initialized():
         raise RuntimeError("init_process_group_from_env: the default process group is already initialized")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = _default_backend()
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_process_group_from_env: backend must be 'nccl', 'gloo' or None, got {backend!r}")
     device = torch.device("cpu")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -58,3 +64,18 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
     dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     logger.info("rank %d of %d joined the %s process group on %s", dist.get_rank(), dist.get_world_size(), backend, device)
     return device
+
+
+def _default_backend() -> str:
+    """NCCL when each local process can have a GPU of its own, else gloo (with the reason logged)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        logger.warning(
+            "init_process_group_from_env: %d processes on this node but %d GPU(s) visible; using gloo on the CPU "
+            "(start at most one process per GPU to use NCCL, or pass backend='gloo' to silence this)", local_world, gpus,
+        )
+        return "gloo"
+    return "nccl"
