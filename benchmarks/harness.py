@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -65,7 +66,7 @@ def describe_machine() -> Machine:
     else:
         device = torch.device("cpu")
         name = _cpu_name()
-    slug = "cpu" if device.type == "cpu" else "-".join(name.lower().replace("_", " ").split())
+    slug = "cpu" if device.type == "cpu" else gpu_slug(name)
     return Machine(
         device=device,
         name=name,
@@ -76,6 +77,17 @@ def describe_machine() -> Machine:
         date=datetime.date.today().isoformat(),
         interpreted=device.type == "cpu" and tfuse.interpreter_active(),
     )
+
+
+def gpu_slug(name: str) -> str:
+    """File-name form of a GPU's name: the model for data-centre GPUs ("NVIDIA H100 80GB HBM3" -> "h100").
+
+    Other names keep every word ("NVIDIA GeForce RTX 4090" -> "nvidia-geforce-rtx-4090").
+    """
+    model = re.search(r"\b([ABHL]\d{2,3})\b", name)
+    if model:
+        return model.group(1).lower()
+    return "-".join(name.lower().replace("_", " ").split())
 
 
 def _cpu_name() -> str:

@@ -1,0 +1,77 @@
+"""The GPU campaign's scripts, run in their dry mode on the CPU, so they are tested before device time is spent.
+
+A device call brings back at most 8 files from $OUT, so the two calls together
+must write at most 8; each must leave its log even when a phase fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts" / "gpu"
+MAX_FILES_BACK = 8
+
+pytestmark = pytest.mark.skipif(not SCRIPTS.is_dir(), reason="needs the source tree (scripts/ is not installed)")
+
+
+def _run_dry(script: str, out: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
+    env.update(OUT=str(out), PYTHON=sys.executable, **env_extra)
+    return subprocess.run(["bash", str(SCRIPTS / script), "--dry"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_both_calls_run_dry_and_bring_back_at_most_8_files(tmp_path):
+    out1, out2 = tmp_path / "call1", tmp_path / "call2"
+    first = _run_dry("call1.sh", out1)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = _run_dry("call2.sh", out2)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    files = [p for p in list(out1.rglob("*")) + list(out2.rglob("*")) if p.is_file()]
+    assert len(files) <= MAX_FILES_BACK, sorted(p.name for p in files)
+    assert sorted(p.name for p in out1.iterdir()) == ["env.txt", "junit.xml", "micro.json", "micro.log", "pytest.log"]
+    assert sorted(p.name for p in out2.iterdir()) == ["bench.log", "bench.tgz", "ncu.txt"]
+
+    # call 1: the test selection collects, and the micro-benchmark ran every family with passing checks.
+    env_txt = (out1 / "env.txt").read_text()
+    assert "pytest exit 0" in env_txt and "micro exit 0" in env_txt, env_txt
+    collected = (out1 / "pytest.log").read_text()
+    assert "test_distributed" not in collected and "test_batch_norm_act" in collected
+    data = json.loads((out1 / "micro.json").read_text())
+    families = {row["family"] for row in data["results"]}
+    assert {"copy", "add", "add_act", "bn_act", "optim", "clip"} <= families
+    assert not [row for row in data["results"] if "error" in row or row.get("ok") is False]
+
+    # call 2: a benchmark table in the archive, and an ncu command per kernel (printed, not run).
+    listing = subprocess.run(["tar", "tzf", str(out2 / "bench.tgz")], capture_output=True, text=True, check=True).stdout
+    assert "tables/add-cpu.md" in listing
+    ncu = (out2 / "ncu.txt").read_text()
+    assert ncu.count("dry run: timeout") == 7 and "-k regex:^_adam_kernel$" in ncu
+
+
+def test_call2_refuses_a_kernel_name_that_no_longer_exists(tmp_path):
+    result = _run_dry("call2.sh", tmp_path, NCU_KERNELS="_adam_kernel _renamed_kernel")
+    assert result.returncode == 1
+    assert "not in tfuse.kernels: ['_renamed_kernel']" in (tmp_path / "ncu.txt").read_text()
+
+
+def test_the_micro_table_flags_a_failed_check():
+    from benchmarks.micro import render_markdown
+
+    data = dict(head=dict(device="GPU X", torch="2.11", triton="3.6", python="3.12", date="2026-11-22"), copy_gbps=3000.0,
+                results=[dict(family="add", case="a+b", ms=0.5, gbps=3000.0, pct_copy=100.0, rel_err=0.5, ok=False,
+                              eager_ms=1.0),
+                         dict(family="host", case="tfuse.add", ms=0.1, us_per_call=100.0),
+                         dict(family="clip", error="Traceback...\nRuntimeError: boom")])
+    table = render_markdown(data)
+    assert "| add | a+b | 0.5000 | 3000 | 100% | 1.0000 | 2.00x | - | 5.00e-01 | **NO** |" in table
+    assert "| host | tfuse.add | - | - | - | - | - | 0.100 | - | - |" in table
+    assert "ERROR: RuntimeError: boom" in table
