@@ -196,6 +196,12 @@ class Report:
     def markdown(self, machine: Machine) -> str:
         lines = [f"# {self.title}", "", machine.header(), ""]
         lines += [f"- {note}" for note in self.notes]
+        if machine.on_gpu:
+            lines.append(
+                "- GPU times are device times (triton.testing.do_bench, median): host overhead per call is hidden "
+                "while it is shorter than do_bench's cache flush (~0.1 ms); `python -m benchmarks.micro --only host` "
+                "measures it."
+            )
         lines += ["", "| " + " | ".join(c.header for c in self.columns) + " |"]
         lines.append("|" + "|".join("---" for _ in self.columns) + "|")
         for row in self.rows:

@@ -4,7 +4,7 @@ For each case it reports the median device time (``triton.testing.do_bench``),
 GB/s over the op's minimum byte count (each input read once, each output
 written once), that as a percentage of a device copy measured in the same run,
 a correctness check against torch at the same shape, and the eager-PyTorch
-time of the same computation. Batch norm is broken down per kernel with
+time of the same computation. Batch norm and the optimizers are broken down per kernel with
 ``torch.profiler``; the ``host`` family measures host time per call, which
 ``do_bench`` hides when it is shorter than its cache flush.
 
@@ -174,7 +174,7 @@ def fam_add_act(run: Run) -> None:
         del x, bias, dy, y, dx, zr, dx_ref
 
 
-def _bn_kernel_times(run: Run, fn: Callable[[], Any]) -> dict[str, float]:
+def _kernel_times(run: Run, fn: Callable[[], Any]) -> dict[str, float]:
     """Device time (us) per kernel name over one call of ``fn``, from torch.profiler."""
     if run.device.type != "cuda" or not run.profile:
         return {}
@@ -233,7 +233,7 @@ def fam_bn(run: Run) -> None:
         run.record("bn_act", f"{tag} train fwd+bwd", run.median_ms(step), 11 * size, dtype=dtype,
                    rel_err=rel_err(dx, dx_ref), limit=dx_limit,
                    eager_ms=run.median_ms(lambda: torch.autograd.grad(torch.relu(eager(x) + skip), (x,), dy)),
-                   kernels_us=_bn_kernel_times(run, step))
+                   kernels_us=_kernel_times(run, step))
         del x, skip, dy, y, ref, dx, xr, yr, dx_ref, dx_eager
 
 
@@ -274,13 +274,14 @@ def fam_optim(run: Run) -> None:
             torch_fused.step()
             torch_ms = run.median_ms(torch_fused.step)
             host_ms = _host_ms(run, opt.step, 20)
+            kernels_us = _kernel_times(run, opt.step)  # device time alone, whatever the host costs
             # Minimum bytes: param and grad read, param written; each state tensor (float32) read and
             # written; float32 master weights read and written.
             states = 2 if algo == "adam" else 1
             per_element = 3 * params[0].element_size() + 8 * states + (8 if master else 0)
             tag = _name(dtype) + (" +master" if master else "")
             run.record("optim", f"{model} {algo} {tag} ({numel / 1e6:.1f}M)", ms, per_element * numel, dtype=dtype,
-                       rel_err=err, torch_fused_fp32_ms=torch_ms, host_ms=host_ms)
+                       rel_err=err, torch_fused_fp32_ms=torch_ms, host_ms=host_ms, kernels_us=kernels_us)
             del params, reference, opt, ref_opt, torch_fused
 
 
@@ -422,7 +423,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         if row.get("kernels_us"):
             breakdowns.append((row["case"], row["kernels_us"]))
     if breakdowns:
-        lines += ["", "Batch norm, device time per kernel in one training forward+backward (us, torch.profiler):", ""]
+        lines += ["", "Device time per kernel in one call (us, torch.profiler): batch norm's training forward+backward, "
+                  "an optimizer step.", ""]
         for case, kernels in breakdowns:
             parts = ", ".join(f"{name.split('<')[0].strip()} {us}" for name, us in kernels.items())
             lines.append(f"- {case}: {parts}")
