@@ -1,19 +1,57 @@
-"""``clip_grad_norm_`` over flat gradient buffers: one two-stage reduction, one scaling pass."""
+"""``clip_grad_norm_`` over flat gradient buffers: one two-stage reduction, one scaling pass.
+
+Host cost is what limits a clip over a real model (the kernels stream a
+ResNet-50's 100 MB of gradients in well under a millisecond), so everything
+that does not change from one step to the next is worked out once and cached:
+
+* a *plan* per parameter list (keyed by the parameters' identities, checked
+  through weak references, and by the layout version of every FlatParams
+  involved): which parameters have a gradient slot in which flat buffer, at
+  which offsets, and which do not;
+* per flat buffer of a plan, *block tables* keyed by which slots hold a
+  gradient this call: device tensors that the kernels read, so a call that
+  reuses one copies nothing from the host.
+
+A call then only reads every ``param.grad`` once, checks that it is the
+parameter's view of the flat buffer (identity, with a fallback to a memory
+check), and launches three kernels per device. A gradient that is not in its
+slot (set by hand, ``create_graph=True``, a parameter without a slot or not
+in a FlatParams) is handled with torch's foreach ops, as torch does.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import math
+import numbers
+import operator
+import types
+import warnings
+import weakref
 from collections.abc import Iterable
 
+import numpy as np
 import torch
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 from tfuse import kernels
-from tfuse._backend import Backend, select_backend
+from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
 from tfuse.flat import FlatParams, owner_of
 
-_BLOCK = 4096
+BLOCK = 4096  # elements per program of the partial-norm and scaling kernels
+NUM_WARPS = 8  # 16 elements (four 128-bit vectors of float32) per thread
+FINAL_BLOCK = 4096  # partials per iteration of the final kernel (GPT-2 small has ~30k partials)
+FINAL_NUM_WARPS = 8
+_GRAD = operator.attrgetter("grad")
+_PLAN_CACHE_SIZE = 8
+_TABLE_CACHE_SIZE = 8
 _NORM_KINDS = {2.0: kernels.norm.NORM_2.value, 1.0: kernels.norm.NORM_1.value, math.inf: kernels.norm.NORM_INF.value}
 
 
@@ -22,24 +60,42 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clips gradients by their total norm, like ``torch.nn.utils.clip_grad_norm_``.
 
     Same arguments, semantics and return value as torch's: the norm of all
-    gradients that are not None taken together, each gradient multiplied in
-    place by ``min(max_norm / (norm + 1e-6), 1)`` (on the device, no sync),
-    the total norm returned in the gradients' (promoted) dtype.
-    Gradients that live in a :class:`~tfuse.flat.FlatParams` buffer are
-    reduced by one kernel per buffer plus one final kernel, reading only the
-    slots that hold gradients (never padding or stale slots of parameters
-    whose grad is None); any other gradient is handled with torch ops.
+    gradients that are not None taken together (a parameter listed twice
+    counts twice, as in torch), each gradient multiplied in place by
+    ``min(max_norm / (norm + 1e-6), 1)`` on the device without a host sync
+    (a NaN norm makes the gradients NaN), the total norm returned on the
+    first gradient's device in the gradients' promoted dtype (``tensor(0.)``
+    on the CPU when there is no gradient). Empty gradients add nothing to
+    the norm, also the infinity norm (where torch's foreach path raises).
+
+    Gradients that are their parameter's view of a
+    :class:`~tfuse.flat.FlatParams` gradient buffer are reduced by one
+    kernel per buffer plus one final kernel per device, and scaled by one
+    kernel per buffer, reading and writing only the slots that hold
+    gradients (never padding, nor the stale slots of parameters whose grad
+    is None). Norms accumulate in float32 (float64 when a float64 gradient
+    takes part) and are rounded once to the result dtype; the scaling
+    coefficient comes from that rounded norm, as in torch. Any other
+    gradient, and every gradient on the PyTorch backend, goes through
+    torch's foreach ops. The work that does not change between steps
+    (which parameters live where, the kernels' block tables) is cached, see
+    the module docstring.
 
     Args:
         parameters: an optimizer (its parameters), a FlatParams, a tensor,
             or an iterable of tensors.
         max_norm: the largest total norm allowed.
         norm_type: p > 0 of the p-norm, or ``inf`` / ``"inf"``.
-        error_if_nonfinite: raise if the total norm is NaN or infinite.
+        error_if_nonfinite: raise if the total norm is NaN or infinite
+            (this reads the norm on the host, as torch does).
+        foreach: for gradients handled with torch ops, as in torch: None
+            uses the foreach ops where the device supports them, True
+            requires them, False loops over tensors.
 
     Example:
         >>> import torch
@@ -56,47 +112,83 @@ def clip_grad_norm_(
         params = [param for group in parameters.param_groups for param in group["params"]]
     elif isinstance(parameters, FlatParams):
         params = parameters.params
+    elif isinstance(parameters, torch.Tensor):
+        params = [parameters]
     else:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        is_generator = isinstance(parameters, types.GeneratorType)
+        params = list(parameters)
+        if is_generator and not params:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
     p = _check_norm_type(norm_type)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(f"clip_grad_norm_: max_norm must be a number, got {type(max_norm).__name__}")
-    grads = [param.grad for param in params if param.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    devices = {g.device for g in grads}
-    if len(devices) > 1:
-        raise RuntimeError(f"clip_grad_norm_: gradients on several devices ({sorted(map(str, devices))}) are not supported")
-    device = grads[0].device
-    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"clip_grad_norm_: foreach must be None or a bool, got {type(foreach).__name__}")
+    max_norm = float(max_norm)
 
-    segments, loose = _split_by_buffer(params)
-    use_kernels = bool(segments) and select_backend(device, "clip_grad_norm_") is Backend.TRITON
-    if not use_kernels:
-        loose = grads
-        segments = {}
-    parts: list[torch.Tensor] = []
-    if segments:
-        parts.append(_flat_norm(segments, p, acc_dtype, device))
+    grads = list(map(_GRAD, params))
+    plan = _plan_for(params, grads)
+    loose: list[torch.Tensor] = [grads[i] for i in plan.other_index if grads[i] is not None]
+    flags = plan.slot_flags(grads, loose)
+    first = next((g for g in grads if g is not None), None)
+    if first is None:
+        return torch.tensor(0.0)
+
+    # The flat segments that hold at least one gradient, by device; the PyTorch backend takes
+    # their gradients through the foreach path instead.
+    on_device: dict[torch.device, list[tuple[_Segment, _Table]]] = {}
+    dtypes = {g.dtype for g in loose}
+    backends: dict[torch.device, Backend] = {}
+    for segment in plan.segments:
+        active = flags[segment.first : segment.stop]
+        if not any(active):
+            continue
+        dtypes.add(segment.dtype)
+        backend = backends.get(segment.device)
+        if backend is None:
+            backend = backends[segment.device] = select_backend(segment.device, "clip_grad_norm_")
+        if backend is Backend.TRITON:
+            on_device.setdefault(segment.device, []).append((segment, segment.table(active)))
+        else:
+            loose.extend(segment.grads(grads, active, plan.slot_index))
+    result_dtype = functools.reduce(torch.promote_types, dtypes)
+    alone = len(on_device) == 1 and not loose  # the kernels' norm is the total: store it in the result dtype
+
+    parts = [_flat_norm(device, work, p, result_dtype if alone else None) for device, work in on_device.items()]
     if loose:
-        parts.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.to(acc_dtype), p) for g in loose]), p))
-    total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), p)
+        # An empty gradient adds nothing to the norm; torch's foreach max-norm rejects it, so leave it out.
+        parts.extend(_foreach_norms([g for g in loose if g.numel()] if math.isinf(p) else loose, p, foreach))
+    if not parts:  # only empty gradients, all on the PyTorch path
+        parts.append(torch.zeros((), dtype=result_dtype, device=first.device))
+    if len(parts) == 1 and alone:
+        total = parts[0]
+    else:
+        with torch.no_grad():
+            total = torch.linalg.vector_norm(torch.stack([n.to(first.device) for n in parts]), p).to(result_dtype)
 
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot "
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot "
             "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             "`error_if_nonfinite=False`"
         )
-    for buffer, (starts, ends) in segments.items():
-        launch(kernels._clip_segments_kernel, (starts.numel(),), (buffer, starts, ends, total, float(max_norm)), dict(BLOCK=_BLOCK), device)
+    max_hi, max_lo = _split_float(max_norm)
+    emulate = interpreter_active()
+    for device, work in on_device.items():
+        norm = total if total.device == device else total.to(device)
+        for segment, table in work:
+            if not table.n_blocks:
+                continue
+            launch(
+                kernels._clip_segments_kernel, (table.n_blocks,),
+                (segment.buffer(), table.blocks, norm, max_hi, max_lo),
+                dict(ALIGN=segment.align, HAS_TAIL=table.has_tail, EMULATE_BF16_RTNE=emulate, BLOCK=BLOCK,
+                     num_warps=NUM_WARPS),
+                device,
+            )
     if loose:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in loose:
-            g.mul_(coef.to(g.dtype))
-    # torch returns the norm in the gradients' dtype, promoted across dtypes.
-    result_dtype = functools.reduce(torch.promote_types, {g.dtype for g in grads})
-    return total.to(result_dtype)
+        _foreach_scale(loose, max_norm, total, foreach)
+    return total
 
 
 def _check_norm_type(norm_type: float | str) -> float:
@@ -104,57 +196,289 @@ def _check_norm_type(norm_type: float | str) -> float:
         if norm_type.lower() != "inf":
             raise ValueError(f"clip_grad_norm_: norm_type must be a positive number or 'inf', got {norm_type!r}")
         return math.inf
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be a positive number or 'inf', got {norm_type!r}")
     return float(norm_type)
 
 
-def _split_by_buffer(params: list[torch.Tensor]) -> tuple[dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    """Block tables (starts, ends) per flat gradient buffer, and the gradients that are not in one."""
-    ranges: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
-    loose = []
-    for param in params:
-        grad = param.grad
-        if grad is None:
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_float(value: float) -> tuple[float, float]:
+    """``value`` as two float32 numbers whose sum keeps ~48 bits (kernels take float arguments as float32)."""
+    if not abs(value) <= _FLOAT32_MAX:  # inf, NaN, or beyond float32: the kernel sees inf (or NaN) either way
+        return value, 0.0
+    hi = float(np.float32(value))
+    return hi, float(np.float32(value - hi))
+
+
+# ---------------------------------------------------------------------------------------------- cached layout
+
+
+@dataclasses.dataclass(eq=False)
+class _Table:
+    """The blocks of a segment's slots that hold gradients.
+
+    ``blocks`` is int64 ``[n_blocks, 2]`` (start, length), on the device: built once, read by every call.
+    """
+
+    blocks: torch.Tensor
+    n_blocks: int
+    has_tail: bool  # some block length is not a multiple of the segment's ALIGN
+
+
+class _Segment:
+    """The slots of one flat gradient buffer that a parameter list covers, in buffer order.
+
+    They are slots ``first:stop`` of the plan (the plan orders its slots
+    segment by segment). Holds the buffer and its FlatParams weakly. Its
+    block tables are cached by which of its slots hold a gradient; the
+    buffer and the layout version are fixed for the segment's life (a plan
+    whose FlatParams laid its buffers out again is replaced, tables and all).
+    """
+
+    def __init__(self, owner: FlatParams, buffer: torch.Tensor, first: int, offsets: list[int], numels: list[int]) -> None:
+        self.owner = weakref.ref(owner)
+        self.layout_version = owner.layout_version
+        self._buffer = weakref.ref(buffer)
+        self.device = buffer.device
+        self.dtype = buffer.dtype
+        self.first, self.stop = first, first + len(offsets)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.numels = np.asarray(numels, dtype=np.int64)
+        # Block starts are slot offsets plus multiples of BLOCK: aligned to the largest power of two
+        # that divides every slot offset, up to one 128-bit vector.
+        vector = max(16 // buffer.element_size(), 1)
+        common = int(np.bitwise_or.reduce(self.offsets)) if len(offsets) else 0
+        self.align = vector if common == 0 else min(vector, common & -common)
+        self._tables: collections.OrderedDict[bytes, _Table] = collections.OrderedDict()
+
+    def buffer(self) -> torch.Tensor | None:
+        return self._buffer()
+
+    def table(self, active: bytes) -> _Table:
+        """The block table for the slots flagged in ``active`` (cached by that key)."""
+        table = self._tables.get(active)
+        if table is not None:
+            self._tables.move_to_end(active)
+            return table
+        mask = np.frombuffer(active, dtype=np.uint8).astype(bool)
+        starts, numels = self.offsets[mask], self.numels[mask]
+        keep = numels > 0
+        starts, numels = starts[keep], numels[keep]
+        counts = -(-numels // BLOCK)
+        n_blocks = int(counts.sum())
+        within = np.arange(n_blocks, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        block_starts = np.repeat(starts, counts) + within * BLOCK
+        lengths = np.minimum(np.repeat(starts + numels, counts) - block_starts, BLOCK)
+        blocks = torch.from_numpy(np.stack([block_starts, lengths], axis=1))
+        if self.device.type == "cuda":  # a copy from pinned memory does not block the host
+            blocks = blocks.pin_memory()
+        table = _Table(blocks.to(self.device, non_blocking=True), n_blocks, bool((lengths % self.align).any()))
+        self._tables[active] = table
+        if len(self._tables) > _TABLE_CACHE_SIZE:
+            self._tables.popitem(last=False)
+        return table
+
+    def grads(self, grads: list, active: bytes, slot_index: tuple[int, ...]) -> list[torch.Tensor]:
+        """The gradients of the slots flagged in ``active`` (for the PyTorch path)."""
+        return [grads[slot_index[self.first + i]] for i, on in enumerate(active) if on]
+
+
+class _Plan:
+    """Where the gradients of one parameter list live. See the module docstring."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.refs = [weakref.ref(param) for param in params]
+        seen: set[int] = set()
+        # (owner id, buffer position) -> (owner, buffer, [(offset, index in params, view)])
+        by_buffer: dict[tuple[int, int], tuple[FlatParams, torch.Tensor, list]] = {}
+        slot_of: dict[int, dict[int, tuple[int, int]]] = {}  # owner id -> param id -> (buffer position, offset)
+        other = []
+        for index, param in enumerate(params):
+            owner = owner_of(param) if id(param) not in seen else None  # a repeat counts again, as a loose grad
+            seen.add(id(param))
+            where = None
+            if owner is not None:
+                slots = slot_of.get(id(owner))
+                if slots is None:
+                    slots = slot_of[id(owner)] = _slots_of(owner)
+                where = slots.get(id(param))
+            if where is None:
+                other.append(index)
+                continue
+            position, offset = where
+            buffers = owner.grad_buffers
+            entry = by_buffer.setdefault((id(owner), position), (owner, buffers[position], []))
+            entry[2].append((offset, index, owner.grad_view(param)))
+        self.other_index = tuple(other)
+        # Parameters in no FlatParams when the plan was made: one coalesced since then must make a new plan.
+        self.unowned = tuple(i for i in other if owner_of(params[i]) is None)
+        self.segments: list[_Segment] = []
+        slot_index, views = [], []
+        for owner, buffer, slots in by_buffer.values():
+            slots.sort(key=operator.itemgetter(0))
+            self.segments.append(
+                _Segment(owner, buffer, len(slot_index), [s[0] for s in slots], [s[2].numel() for s in slots])
+            )
+            slot_index.extend(s[1] for s in slots)
+            views.extend(s[2] for s in slots)
+        self.slot_index = tuple(slot_index)
+        self._gather = operator.itemgetter(*slot_index) if len(slot_index) > 1 else None
+        self.view_refs = [weakref.ref(view) for view in views]
+
+    def valid_for(self, params: list[torch.Tensor], grads: list) -> bool:
+        """The same live parameters, every FlatParams still in the layout the plan was made for, and no
+        parameter coalesced since (checked for gradients that are views, as coalesced ones are)."""
+        if len(params) != len(self.refs) or not all(map(operator.is_, [ref() for ref in self.refs], params)):
+            return False
+        for segment in self.segments:
+            owner = segment.owner()
+            if owner is None or owner.layout_version != segment.layout_version or segment.buffer() is None:
+                return False
+        for index in self.unowned:
+            grad = grads[index]
+            if grad is not None and grad._base is not None and owner_of(params[index]) is not None:
+                return False
+        return True
+
+    def slot_flags(self, grads: list, loose: list[torch.Tensor]) -> bytes:
+        """Per slot, 1 if the parameter's gradient is in it; gradients elsewhere are appended to ``loose``."""
+        if not self.slot_index:
+            return b""
+        views = [ref() for ref in self.view_refs]
+        slot_grads = self._gather(grads) if self._gather is not None else (grads[self.slot_index[0]],)
+        flags = bytes(map(operator.is_, slot_grads, views))
+        if 0 not in flags:
+            return flags
+        fixed = bytearray(flags)
+        position = fixed.find(0)
+        while position >= 0:
+            grad = slot_grads[position]
+            if grad is not None:
+                if _same_memory(grad, views[position]):
+                    fixed[position] = 1
+                else:
+                    loose.append(grad)
+            position = fixed.find(0, position + 1)
+        return bytes(fixed)
+
+
+def _slots_of(owner: FlatParams) -> dict[int, tuple[int, int]]:
+    """param id -> (index in owner.grad_buffers, element offset), for every parameter with a gradient slot."""
+    slots = {}
+    position = 0
+    for group in owner.groups:
+        if group.grad is None:
             continue
-        owner = owner_of(param)
-        buffer = _containing_buffer(owner, grad) if owner is not None else None
-        if buffer is None:
-            loose.append(grad)
-            continue
-        start = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
-        ranges.setdefault(id(buffer), (buffer, []))[1].append((start, start + grad.numel()))
-    tables = {}
-    for buffer, spans in ranges.values():
-        starts, ends = [], []
-        for start, end in sorted(spans):
-            for block_start in range(start, end, _BLOCK):
-                starts.append(block_start)
-                ends.append(min(block_start + _BLOCK, end))
-        table = torch.tensor([starts, ends], dtype=torch.int64).to(buffer.device)
-        tables[buffer] = (table[0], table[1])
-    return tables, loose
+        for param, offset in zip(group.params[: group.n_trainable], group.offsets):
+            slots[id(param)] = (position, offset)
+        position += 1
+    return slots
 
 
-def _containing_buffer(owner: FlatParams, grad: torch.Tensor) -> torch.Tensor | None:
-    for buffer in owner.grad_buffers:
-        start = buffer.data_ptr()
-        if start <= grad.data_ptr() < start + buffer.numel() * buffer.element_size() and grad.is_contiguous():
-            return buffer
-    return None
+def _same_memory(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
+    """Whether ``grad`` is ``view``'s memory seen through another tensor object (same place, shape and strides)."""
+    return (
+        view is not None and not grad.requires_grad and grad.device == view.device and grad.dtype == view.dtype
+        and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
+    )
 
 
-def _flat_norm(segments, p: float, acc_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+_plans: collections.OrderedDict[tuple[int, ...], _Plan] = collections.OrderedDict()
+
+
+def _plan_for(params: list[torch.Tensor], grads: list) -> _Plan:
+    key = tuple(map(id, params))
+    plan = _plans.get(key)
+    if plan is not None and plan.valid_for(params, grads):
+        _plans.move_to_end(key)
+        return plan
+    plan = _plans[key] = _Plan(params)
+    _plans.move_to_end(key)
+    if len(_plans) > _PLAN_CACHE_SIZE:
+        _plans.popitem(last=False)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+def _flat_norm(
+    device: torch.device, work: list[tuple[_Segment, _Table]], p: float, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Norm of the flat segments on ``device``: one partial kernel per segment, one final kernel."""
+    acc_dtype = torch.float64 if any(segment.dtype == torch.float64 for segment, _ in work) else torch.float32
     kind = _NORM_KINDS.get(p, kernels.norm.NORM_P.value)
-    n_partials = sum(starts.numel() for starts, _ in segments.values())
-    partials = torch.empty(n_partials, dtype=acc_dtype, device=device)
+    p_hi, p_lo = _split_float(p if math.isfinite(p) else 1.0)
+    n_partials = sum(table.n_blocks for _, table in work)
+    partials = torch.empty(max(n_partials, 1), dtype=acc_dtype, device=device)
     offset = 0
-    for buffer, (starts, ends) in segments.items():
-        launch(
-            kernels._norm_partial_kernel, (starts.numel(),), (buffer, starts, ends, partials, offset, p if math.isfinite(p) else 1.0),
-            dict(NORM=kind, BLOCK=_BLOCK), device,
-        )
-        offset += starts.numel()
-    total = torch.empty((), dtype=acc_dtype, device=device)
-    launch(kernels._norm_final_kernel, (1,), (partials, n_partials, total, p if math.isfinite(p) else 1.0), dict(NORM=kind, BLOCK=1024), device)
+    for segment, table in work:
+        if table.n_blocks:
+            launch(
+                kernels._norm_partial_kernel, (table.n_blocks,),
+                (segment.buffer(), table.blocks, partials, offset, p_hi, p_lo),
+                dict(NORM=kind, ALIGN=segment.align, HAS_TAIL=table.has_tail, BLOCK=BLOCK, num_warps=NUM_WARPS),
+                device,
+            )
+            offset += table.n_blocks
+    total = torch.empty((), dtype=out_dtype or acc_dtype, device=device)
+    launch(
+        kernels._norm_final_kernel, (1,), (partials, n_partials, total, p_hi, p_lo),
+        dict(NORM=kind, EMULATE_BF16_RTNE=interpreter_active(), BLOCK=FINAL_BLOCK, num_warps=FINAL_NUM_WARPS), device,
+    )
     return total
+
+
+def _grouped(grads: list[torch.Tensor]):
+    return _group_tensors_by_device_and_dtype([grads]).items()  # type: ignore[list-item]
+
+
+def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    """torch's rule: foreach ops where the device supports them; foreach=True insists, False never."""
+    if foreach is None:
+        return _has_foreach_support(tensors, device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return foreach
+
+
+@torch.no_grad()
+def _foreach_norms(grads: list[torch.Tensor], p: float, foreach: bool | None) -> list[torch.Tensor]:
+    """One norm per gradient (in its dtype), with torch's foreach ops per (device, dtype)."""
+    norms: list[torch.Tensor] = []
+    for (device, _), ([tensors], _) in _grouped(grads):
+        if _use_foreach(tensors, device, foreach):
+            norms.extend(torch._foreach_norm(tensors, p))
+        else:
+            norms.extend(torch.linalg.vector_norm(g, p) for g in tensors)
+    return norms
+
+
+@torch.no_grad()
+def _foreach_scale(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
+    """Multiplies every gradient by torch's coefficient, a gradient listed k times k times.
+
+    A tensor appears at most once per foreach call: CUDA's foreach kernel would race on a repeat
+    (both chunks read the unscaled values), so repeats go into later rounds.
+    """
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    rounds: list[list[torch.Tensor]] = [grads]
+    if len(set(map(id, grads))) != len(grads):
+        rounds, seen = [], collections.Counter()
+        for grad in grads:
+            k = seen[id(grad)]
+            seen[id(grad)] += 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(grad)
+    for tensors_of_round in rounds:
+        for (device, _), ([tensors], _) in _grouped(tensors_of_round):
+            coef_here = coef.to(device)
+            if _use_foreach(tensors, device, foreach):
+                torch._foreach_mul_(tensors, coef_here)
+            else:
+                for g in tensors:
+                    g.mul_(coef_here)
