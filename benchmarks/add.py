@@ -47,6 +47,16 @@ def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
             x_names=["numel"], x_vals=sizes, plot_name="bias-residual", args={"pattern": "bias", "n_inputs": 3, "dtype": dtypes[-1]}, **lines
         )
     )
+    # Per-channel bias + residual over 14x14 and 7x7 pixels (not multiples of 16:
+    # the wide-column path of tfuse/ops/_tiles.py), from a few MB to ResNet-50 batch 256.
+    batches = ([16, 64, 256] if on_gpu else [4, 16]) if not ctx.quick else [2]
+    for channels, pixels in ((1024, 14), (2048, 7)):
+        benches.append(
+            triton.testing.Benchmark(
+                x_names=["numel"], x_vals=[n * channels * pixels * pixels for n in batches],
+                plot_name=f"per-channel-{pixels}x{pixels}", args={"pattern": f"nchw-{channels}-{pixels}", "n_inputs": 3, "dtype": dtypes[-1]}, **lines
+            )
+        )
     benches.append(
         triton.testing.Benchmark(
             x_names=["n_inputs"], x_vals=[2, 4, 8], plot_name="inputs", args={"pattern": "same", "numel": sweep_size, "dtype": dtypes[0]}, **lines
@@ -58,6 +68,12 @@ def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
 def _make_inputs(pattern: str, n_inputs: int, numel: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     if pattern == "same":
         return [torch.randn(numel, device=device, dtype=dtype) for _ in range(n_inputs)]
+    if pattern.startswith("nchw"):
+        _, channels, pixels = pattern.split("-")
+        channels, pixels = int(channels), int(pixels)
+        x = torch.randn(max(numel // (channels * pixels * pixels), 1), channels, pixels, pixels, device=device, dtype=dtype)
+        bias = torch.randn(channels, 1, 1, device=device, dtype=dtype)
+        return [x, bias] + [torch.randn_like(x) for _ in range(n_inputs - 2)]
     rows = max(numel // BIAS_WIDTH, 1)
     x = torch.randn(rows, BIAS_WIDTH, device=device, dtype=dtype)
     bias = torch.randn(BIAS_WIDTH, device=device, dtype=dtype)
@@ -80,6 +96,14 @@ def _check(result: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         raise AssertionError("tfuse.add disagrees with the float64 sum; not benchmarking a wrong result")
 
 
+def _pattern_name(pattern: str, n_inputs: int, x: torch.Tensor) -> str:
+    if pattern == "same":
+        return "a + b + c" if n_inputs == 3 else f"{n_inputs} inputs"
+    if pattern == "bias":
+        return "x + bias[C] + residual"
+    return f"x + bias[C, 1, 1] + residual, C={x.shape[1]} {x.shape[2]}x{x.shape[3]}"
+
+
 def _measure(ctx: Context, pattern: str, n_inputs: int, numel: int, dtype: torch.dtype) -> dict[str, Any]:
     device = ctx.machine.device
     inputs = _make_inputs(pattern, n_inputs, numel, dtype, device)
@@ -95,7 +119,7 @@ def _measure(ctx: Context, pattern: str, n_inputs: int, numel: int, dtype: torch
     with tfuse.use_backend(backend):
         _check(fused(), inputs)
     row: dict[str, Any] = {
-        "pattern": "a + b + c" if pattern == "same" and n_inputs == 3 else ("x + bias[C] + residual" if pattern == "bias" else f"{n_inputs} inputs"),
+        "pattern": _pattern_name(pattern, n_inputs, inputs[0]),
         "dtype": str(dtype).replace("torch.", ""),
         "n_inputs": n_inputs,
         "numel": out_numel,

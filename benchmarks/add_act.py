@@ -28,11 +28,13 @@ TORCH_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
     if ctx.machine.on_gpu:
         mlp = [(4096, 4096), (8192, 8192), (16384, 16384)] if not ctx.quick else [(4096, 4096)]
-        cnn = [(32, 256, 56, 56), (64, 512, 28, 28), (128, 256, 56, 56)] if not ctx.quick else [(32, 256, 56, 56)]
+        # 14x14 and 7x7 pixels per channel are not multiples of 16: the wide-column path (tfuse/ops/_tiles.py).
+        cnn = [(32, 256, 56, 56), (64, 512, 28, 28), (128, 256, 56, 56), (256, 1024, 14, 14), (256, 2048, 7, 7)]
+        cnn = cnn if not ctx.quick else [(32, 256, 56, 56)]
         dtypes = [torch.bfloat16, torch.float32]
     else:
         mlp = [(512, 1024), (2048, 2048)] if not ctx.quick else [(256, 512)]
-        cnn = [(8, 64, 28, 28)] if not ctx.quick else [(2, 16, 14, 14)]
+        cnn = [(8, 64, 28, 28), (8, 128, 7, 7)] if not ctx.quick else [(2, 16, 14, 14)]
         dtypes = [torch.float32]
     acts = ["relu", "gelu"]
     benches = []

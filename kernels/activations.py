@@ -7,10 +7,27 @@ the activations where that is possible (identity, relu, leaky_relu with a
 non-negative slope, sigmoid, tanh). Formulas follow torch.nn.functional.
 Inputs are float32 (or float64) tiles. (Module constants are tl.constexpr,
 which kernels may read; keep them right of a tensor in products.)
+
+Math modes. ``_activation``/``_activation_grad`` take a MATH constexpr that
+the launcher sets (``_act``/``_act_grad`` are the PORTABLE mode):
+
+* PORTABLE: only operations the interpreter evaluates as written (numpy,
+  correctly rounded), so CPU tests check the formulas themselves.
+* GPU: compiled code. tanh is libdevice's (within 2 ulp), float32 divisions in
+  sigmoid/silu/gelu_tanh are ``div.approx.f32`` (within 2 ulp); exp is
+  Triton's ``ex2.approx``-based exp either way.
+* GPU_TANH_APPROX: GPU, and the result is stored as bfloat16: tanh is the
+  hardware ``tanh.approx.f32`` (one MUFU instruction; relative error about
+  2**-11, a quarter of a bfloat16 ulp).
+
+gelu_tanh is computed as ``z * sigmoid(2u)`` with ``u = sqrt(2/pi) (z +
+0.044715 z**3)``, which equals ``0.5 z (1 + tanh(u))`` exactly and has no
+cancellation where tanh(u) is near -1 (the same formula in every mode).
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 IDENTITY = tl.constexpr(0)
 RELU = tl.constexpr(1)
@@ -21,10 +38,18 @@ SILU = tl.constexpr(5)
 SIGMOID = tl.constexpr(6)
 TANH = tl.constexpr(7)
 
+PORTABLE = tl.constexpr(0)
+GPU = tl.constexpr(1)
+GPU_TANH_APPROX = tl.constexpr(2)
+
 _SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_TANH_C = tl.constexpr(0.044715)
+_GELU_TANH_K0 = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): a = 2u = z (K0 + K1 z^2)
+_GELU_TANH_K1 = tl.constexpr(0.07135481627159177)  # 2 sqrt(2/pi) 0.044715
+_GELU_TANH_K1x3 = tl.constexpr(0.2140644488147753)  # da/dz = K0 + 3 K1 z^2
+_EXP_ARG_MAX = tl.constexpr(80.0)  # exp(80) is finite in float32, and 1 / (1 + exp(80)) still normal
 
 
 @triton.jit
@@ -51,8 +76,55 @@ def _tanh(x):
 
 
 @triton.jit
-def _act(z, ACT: tl.constexpr, negative_slope):
-    """act(z)."""
+def _tanh_approx_f32(x):
+    """The hardware tanh.approx.f32 (sm_75+): one MUFU.TANH, relative error about 2**-11."""
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x.to(tl.float32)], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _tanh_m(x, MATH: tl.constexpr):
+    """tanh(x) in math mode MATH."""
+    if MATH == GPU_TANH_APPROX and x.dtype == tl.float32:
+        t = _tanh_approx_f32(x)
+    elif MATH == PORTABLE:
+        t = _tanh(x)
+    else:
+        t = libdevice.tanh(x)
+    return t
+
+
+@triton.jit
+def _div(a, b, MATH: tl.constexpr):
+    """a / b; float32 on a GPU as div.approx.f32 (2 ulp; 0 when |b| > 2**126, where a / b is below 2**-126 |a|)."""
+    if MATH != PORTABLE and b.dtype == tl.float32:
+        q = libdevice.fast_dividef(a, b)
+    else:
+        q = a / b
+    return q
+
+
+@triton.jit
+def _sigmoid_m(z, MATH: tl.constexpr):
+    """1 / (1 + exp(-z)) (exp(-z) = inf for very negative z gives 0)."""
+    return _div(1.0, 1.0 + tl.exp(-z), MATH)
+
+
+@triton.jit
+def _gelu_tanh_parts(z, MATH: tl.constexpr):
+    """a = 2 sqrt(2/pi) (z + 0.044715 z^3) = 2u, e = exp(-a) (argument capped at 80), s = sigmoid(a)."""
+    z2 = z * z
+    a = z * (_GELU_TANH_K0 + z2 * _GELU_TANH_K1)
+    neg_a = tl.where(a < -_EXP_ARG_MAX, _EXP_ARG_MAX, -a)  # NaN stays NaN
+    e = tl.exp(neg_a)
+    s = _div(1.0, 1.0 + e, MATH)
+    return a, z2, e, s
+
+
+@triton.jit
+def _activation(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
+    """act(z) in math mode MATH."""
     if ACT == IDENTITY:
         y = z
     elif ACT == RELU:
@@ -62,19 +134,21 @@ def _act(z, ACT: tl.constexpr, negative_slope):
     elif ACT == GELU:
         y = 0.5 * z * (1.0 + tl.erf(z * _SQRT_HALF))
     elif ACT == GELU_TANH:
-        y = 0.5 * z * (1.0 + _tanh((z + z * z * z * _GELU_TANH_C) * _SQRT_2_OVER_PI))
+        # z * sigmoid(a); below a = -80 the result (under 1e-33 |z|) is a signed 0, as tanh(u) == -1 gives in torch.
+        a, z2, e, s = _gelu_tanh_parts(z, MATH)
+        y = tl.where(a < -_EXP_ARG_MAX, z * 0.0, z * s)
     elif ACT == SILU:
-        y = z * tl.sigmoid(z)
+        y = z * _sigmoid_m(z, MATH)
     elif ACT == SIGMOID:
-        y = tl.sigmoid(z)
+        y = _sigmoid_m(z, MATH)
     else:
-        y = _tanh(z)
+        y = _tanh_m(z, MATH)
     return y
 
 
 @triton.jit
-def _act_grad(z, ACT: tl.constexpr, negative_slope):
-    """d act / d z at the pre-activation ``z``."""
+def _activation_grad(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
+    """d act / d z at the pre-activation ``z``, in math mode MATH."""
     if ACT == IDENTITY:
         d = tl.full(z.shape, 1.0, z.dtype)
     elif ACT == RELU:
@@ -86,18 +160,35 @@ def _act_grad(z, ACT: tl.constexpr, negative_slope):
         pdf = tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
         d = cdf + z * pdf
     elif ACT == GELU_TANH:
-        t = _tanh((z + z * z * z * _GELU_TANH_C) * _SQRT_2_OVER_PI)
-        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + z * z * (3.0 * _GELU_TANH_C))
+        # d/dz z sigmoid(a) = s + z a' s (1 - s), with 1 - s = e s; 0 below a = -80 (under 1e-32 there).
+        # Past |z| = 10 either s = 0 (below) or e s < 2e-35 (above): z is clamped there so that
+        # z a' stays finite for any finite z (NaN still propagates through s).
+        a, z2, e, s = _gelu_tanh_parts(z, MATH)
+        s = tl.where(a < -_EXP_ARG_MAX, 0.0, s)
+        zc = tl.minimum(tl.maximum(z, -10.0), 10.0)
+        d = s * (1.0 + zc * (_GELU_TANH_K0 + zc * zc * _GELU_TANH_K1x3) * (e * s))
     elif ACT == SILU:
-        s = tl.sigmoid(z)
+        s = _sigmoid_m(z, MATH)
         d = s * (1.0 + z * (1.0 - s))
     elif ACT == SIGMOID:
-        s = tl.sigmoid(z)
+        s = _sigmoid_m(z, MATH)
         d = s * (1.0 - s)
     else:
-        t = _tanh(z)
+        t = _tanh_m(z, MATH)
         d = 1.0 - t * t
     return d
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr, negative_slope):
+    """act(z) (PORTABLE math)."""
+    return _activation(z, ACT, negative_slope, PORTABLE)
+
+
+@triton.jit
+def _act_grad(z, ACT: tl.constexpr, negative_slope):
+    """d act / d z at the pre-activation ``z`` (PORTABLE math)."""
+    return _activation_grad(z, ACT, negative_slope, PORTABLE)
 
 
 @triton.jit

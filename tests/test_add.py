@@ -188,6 +188,84 @@ def test_tile_plan_modes(shapes, modes, rank):
     assert len(plan.outer_sizes) + 1 == rank
 
 
+# ---------------------------------------------------------------- wide columns
+
+# Per-channel adds whose pixel count is not a multiple of 16 (7x7, 14x14, odd
+# sizes): the launcher widens the columns to (channels, pixels) or to the whole
+# tensor, so that contiguous operands are read 128 bits at a time, and finds
+# broadcast operands by dividing the column index (magic numbers).
+WIDE = {
+    # name: (input shapes, x layout, expected column rank, expected modes)
+    "nchw_7x7": ([(2, 16, 7, 7), (16, 1, 1), (2, 16, 7, 7)], "contiguous", 2, (LINEAR, COL, LINEAR)),
+    "nchw_14x14": ([(3, 32, 14, 14), (32, 1, 1), (3, 32, 14, 14)], "contiguous", 2, (LINEAR, COL, LINEAR)),
+    "nchw_odd_channels": ([(3, 5, 7, 7), (5, 1, 1)], "contiguous", 3, (LINEAR, COL)),
+    "per_sample_channel": ([(4, 16, 7, 7), (4, 16, 1, 1), (1, 16, 7, 7)], "contiguous", 2, (LINEAR, STRIDED, COL)),
+    "three_column_dims": ([(4, 8, 7, 7), (4, 8, 1, 1), (1, 8, 7, 7)], "contiguous", 3, (LINEAR, COL, COL)),
+    "rows_of_1000": ([(6, 1000), (1000,), (6, 1)], "contiguous", 2, (LINEAR, COL, COL)),
+    "channels_last_24": ([(2, 24, 7, 7), (24, 1, 1), (2, 24, 7, 7)], "channels_last", 2, (LINEAR, COL, LINEAR)),
+    "strided_x_7x7": ([(2, 16, 7, 7), (16, 1, 1)], "strided", 3, (STRIDED, COL)),
+}
+
+
+def _wide_inputs(shapes, layout, dtype, device):
+    """x in ``layout``, other full-size inputs channels_last when x is, the rest contiguous."""
+    return [make_input(shapes[0], dtype, device, layout)] + [
+        make_input(s, dtype, device, "channels_last" if layout == "channels_last" and s == shapes[0] else "contiguous")
+        for s in shapes[1:]
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", WIDE)
+def test_wide_columns(backend, dtype, pattern, device):
+    shapes, layout, _, _ = WIDE[pattern]
+    inputs = _wide_inputs(shapes, layout, dtype, device)
+    out = run_add(backend, *inputs)
+    assert out.shape == torch.broadcast_shapes(*shapes)
+    assert_sum_accurate(out, inputs)
+    assert_matches_torch_sum(out, inputs)
+
+
+@pytest.mark.parametrize("pattern", WIDE)
+def test_wide_column_plans(pattern):
+    shapes, layout, col_rank, modes = WIDE[pattern]
+    inputs = _wide_inputs(shapes, layout, torch.float32, torch.device("cpu"))
+    out = _tiles.empty_broadcast_output(inputs, torch.broadcast_shapes(*shapes), torch.float32)
+    plan = _tiles.plan_tiles(out, inputs, max_col_rank=None)
+    assert plan.col_rank == col_rank and plan.modes == modes
+    assert plan.n_cols % _tiles.COL_ALIGN == 0 or plan.n_rows == 1
+    assert plan.n_rows * plan.n_cols == out.numel()
+    # The default (one column dimension) plan is unchanged.
+    assert _tiles.plan_tiles(out, inputs).col_rank == 1
+
+
+def test_wide_columns_int64_path(monkeypatch, device):
+    # With int64 offsets the kernel divides plainly instead of by magic numbers.
+    inputs = [make_input((2, 16, 7, 7), torch.float32, device), make_input((16, 1, 1), torch.float32, device)]
+    monkeypatch.setattr(_tiles, "INT32_LIMIT", 1000)
+    out = run_add("triton", *inputs)
+    plan = _tiles.plan_tiles(out, inputs, max_col_rank=None)
+    assert plan.index_64 and plan.col_rank == 2
+    assert_matches_torch_sum(out, inputs)
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 5, 7, 9, 14, 49, 196, 1000, 3136, 12544, 65537, 2**20 + 1, 2**31 - 1])
+def test_magic_divisor_divides_every_int32(divisor):
+    # umulhi(j, m) >> s == j // d for 0 <= j < 2**31: checked at every multiple of d
+    # near the ends and around a sample in the middle, where an off-by-one shows.
+    d, m, s = _tiles.magic_divisor(divisor)
+    assert d == divisor and -(2**31) <= m < 2**31 and 0 <= s < 31
+    m &= 0xFFFFFFFF
+    js = {0, 1, 2**31 - 1, 2**31 - 2}
+    for q in list(range(0, 64)) + list(range((2**31 - 1) // d - 64, (2**31 - 1) // d + 1)) + [12345, 777777]:
+        for j in (q * d - 1, q * d, q * d + 1, q * d + d - 1):
+            if 0 <= j < 2**31:
+                js.add(j)
+    for j in js:
+        assert ((j * m) >> 32) >> s == j // d, (j, d)
+
+
 # ---------------------------------------------------------------- autograd
 
 

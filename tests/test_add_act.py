@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,6 +240,161 @@ def test_tanh_is_accurate_near_zero_and_saturates(act, device):
     z = torch.tensor([1e-7, -3e-6, 1e-4, 0.01, 0.3, 5.0, -20.0, 80.0, -200.0], device=device)
     y = tfuse.add_act(z, act=act)
     torch.testing.assert_close(y, torch_activation(act, 0.2)(z.double()).float(), rtol=2e-6, atol=0)
+
+
+# ---------------------------------------------------------------- wide columns
+
+# Per-channel biases over 7x7 and 14x14 pixels (not multiples of 16), odd
+# sizes and channels_last: the forward widens its columns (see
+# tfuse/ops/_tiles.py); the backward keeps wide columns where every reduction
+# fits them (per-channel bias gradients: mode CHAN, whole channels per column
+# block) and falls back to one column dimension otherwise.
+_CHAN = add_act_op.CHAN
+WIDE = {
+    # name: (x shape, other shapes, layout of full-size inputs, backward gradient modes)
+    "nchw_7x7": ((2, 16, 7, 7), [(16, 1, 1)], "contiguous", (_tiles.LINEAR, _CHAN)),
+    "nchw_7x7_two_blocks": ((2, 96, 7, 7), [(96, 1, 1)], "contiguous", (_tiles.LINEAR, _CHAN)),
+    "nchw_14x14_residual": ((2, 40, 14, 14), [(40, 1, 1), (2, 40, 14, 14)], "contiguous", (_tiles.LINEAR, _CHAN)),
+    "per_sample_scale": ((3, 16, 7, 7), [(3, 16, 1, 1), (16, 1, 1)], "contiguous", (_tiles.LINEAR, _tiles.ROW, _tiles.ROW)),
+    "channels_last_24": ((2, 24, 7, 7), [(24, 1, 1), (2, 24, 7, 7)], "channels_last", (_tiles.LINEAR, _tiles.COL)),
+    "rows_of_1000": ((5, 1000), [(1000,)], "contiguous", (_tiles.LINEAR, _tiles.COL)),
+    "odd_channels": ((3, 5, 7, 7), [(5, 1, 1)], "contiguous", (_tiles.LINEAR, _tiles.ROW)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("pattern", WIDE)
+def test_wide_columns_values_and_gradients(pattern, act, dtype, backend, device, monkeypatch):
+    x_shape, other_shapes, layout, grad_modes = WIDE[pattern]
+    inputs = [make_input(x_shape, dtype, device, layout)] + [
+        make_input(s, dtype, device, layout if tuple(s) == x_shape else "contiguous") for s in other_shapes
+    ]
+    inputs = [t.requires_grad_() for t in inputs]
+    launched = []
+    real_launch = add_act_op.launch
+    monkeypatch.setattr(add_act_op, "launch", lambda k, g, a, meta, d: launched.append(meta) or real_launch(k, g, a, meta, d))
+    with tfuse.use_backend(backend):
+        y = tfuse.add_act(*inputs, act=act)
+        grad = torch.randn_like(y)
+        grads = torch.autograd.grad(y, inputs, grad)
+    expected_y, expected_grads = reference(inputs, act, grad, y)
+    torch.testing.assert_close(y, expected_y.to(dtype))
+    for mine, theirs, t in zip(grads, expected_grads, inputs):
+        assert mine.dtype == t.dtype and mine.shape == t.shape
+        if dtype == torch.float32 and mine.shape != y.shape:
+            assert_reduced_grad_close(mine, expected_grads[0], t.shape)
+        else:
+            torch.testing.assert_close(mine, theirs.to(t.dtype))
+    if backend == "triton":
+        forward, backward = launched[0], launched[1]
+        assert forward["COL_RANK"] > 1
+        assert backward["GRAD_MODES"] == grad_modes
+        assert (backward["COL_RANK"] > 1) == (_CHAN in grad_modes)
+    else:
+        assert launched == []
+
+
+def test_chan_blocks_hold_whole_aligned_channels():
+    # 7x7: 80 channels (3920 of 4096 lanes) rather than 32 (1568 of 2048); 3x3: 224 channels of 2048 lanes.
+    for pixels, channels, lanes, width in ((49, 96, 4096, 3920), (196, 40, 4096, 3920), (9, 512, 2048, 2016)):
+        out = torch.empty(2, channels, pixels)
+        plan = _tiles.plan_tiles(out, [out, torch.empty(channels, 1)], max_col_rank=None)
+        block_rows, block_cols, block_width = add_act_op._backward_blocks(plan, per_channel=True)
+        assert (block_rows, block_cols, block_width) == (1, lanes, width)
+        assert block_width % pixels == 0 and block_width % _tiles.COL_ALIGN == 0
+
+
+# ---------------------------------------------------------------- math modes
+
+_K0 = 2 * math.sqrt(2 / math.pi)
+_K1 = _K0 * 0.044715
+_U32 = 2.0**-24  # unit roundoff of float32
+
+
+def _gelu_tanh_float64(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a = 2u, y = z sigmoid(a), dy/dz, and the magnitude of the derivative's two terms, in float64.
+
+    (torch's float64 gelu_tanh, 0.5 z (1 + tanh(u)), cancels to nothing for z below about -7.)
+    """
+    z = z.double()
+    a = z * (_K0 + z * z * _K1)
+    s = torch.sigmoid(a)
+    term = z * (_K0 + 3 * z * z * _K1) * s * torch.sigmoid(-a)
+    return a, z * s, s + term, s + term.abs()
+
+
+def _gelu_tanh_sweep(device: torch.device) -> torch.Tensor:
+    return torch.cat(
+        [torch.linspace(-12, 12, 200_001), torch.logspace(-30, 1.2, 5_001), -torch.logspace(-30, 1.2, 5_001)]
+    ).to(device)
+
+
+def test_gelu_tanh_formula_in_float32_is_within_its_error_bound():
+    """The kernels' gelu_tanh, z * sigmoid(a) with a = 2u, emulated in float32 torch against float64.
+
+    Expected error, relative: a carries 3 roundings (3 u), exp(-a) turns them
+    into |a| 3 u and adds its own (about |a| u from scaling the argument, plus
+    one rounding), 1 + e, the reciprocal and the product add three: y is within
+    (4 |a| + 8) u of z sigmoid(a), and the derivative s (1 + z a' e s) within
+    (4 |a| + 12) u of the sum of its terms' magnitudes (it changes sign near
+    z = -0.75). Below a = -80 both are zero (|y| < 1e-33 |z|, |dy/dz| < 1e-32).
+    On a GPU, ex2.approx and div.approx.f32 (2 ulp = 4 u each) add 8 u:
+    see test_gelu_tanh_on_gpu_is_within_its_error_bound. (torch's own float32
+    gelu_tanh loses every digit below z = -5, in 1 + tanh(u).)
+    """
+    z = _gelu_tanh_sweep(torch.device("cpu")).float()
+    a = z * (_K0 + z * z * _K1)
+    e = torch.exp(torch.where(a < -80, torch.full_like(a, 80.0), -a))
+    s = 1 / (1 + e)
+    y = torch.where(a < -80, z * 0, z * s)
+    s_d = torch.where(a < -80, 0.0, s)
+    zc = z.clamp(-10, 10)
+    d = s_d * (1 + zc * (_K0 + 3 * _K1 * zc * zc) * (e * s_d))
+    a64, y64, d64, magnitude = _gelu_tanh_float64(z)
+    small = a64 < -80
+    assert (y[small] == 0).all() and (d[small] == 0).all()
+    assert (y64[small].abs() <= 1e-33 * z[small].abs()).all() and (d64[small].abs() <= 1e-32).all()
+    big = ~small
+    assert ((y.double() - y64).abs() <= (4 * a64.abs() + 8) * _U32 * y64.abs())[big].all()
+    assert ((d.double() - d64).abs() <= (4 * a64.abs() + 12) * _U32 * magnitude)[big].all()
+
+
+def test_tanh_approx_error_hides_in_bfloat16_rounding():
+    """tanh.approx.f32 (relative error below 2**-10.98, PTX ISA) is used only for bfloat16 results.
+
+    A bfloat16 ulp is 2**-7 relative at worst, 2**-8 at best: an error a
+    quarter of the smallest moves the rounded result by at most one ulp, what
+    two correctly rounded float32 tanh may already differ by after rounding.
+    """
+    z = torch.linspace(-10, 10, 100_001, dtype=torch.float64)
+    exact = torch.tanh(z)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().to(torch.bfloat16).double()  # ulp at or above |tanh|
+    for sign in (1, -1):
+        perturbed = (exact * (1 + sign * 2.0**-10.98)).to(torch.bfloat16).double()
+        assert ((perturbed - exact.to(torch.bfloat16).double()).abs() <= ulp + 1e-38).all()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the GPU math mode exists only in compiled kernels")
+def test_gelu_tanh_on_gpu_is_within_its_error_bound(device):
+    z = _gelu_tanh_sweep(device).float().requires_grad_()
+    y = tfuse.add_act(z, act="gelu_tanh")
+    (d,) = torch.autograd.grad(y, z, torch.ones_like(y))
+    a64, y64, d64, magnitude = _gelu_tanh_float64(z.detach())
+    small = a64 < -80
+    assert (y[small] == 0).all() and (d[small] == 0).all()
+    assert ((y.double() - y64).abs() <= (4 * a64.abs() + 16) * _U32 * y64.abs())[~small].all()
+    assert ((d.double() - d64).abs() <= (4 * a64.abs() + 20) * _U32 * magnitude)[~small].all()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="tanh.approx.f32 runs only in compiled kernels")
+def test_bfloat16_tanh_on_gpu_is_within_one_ulp(device):
+    z = torch.linspace(-10, 10, 1_000_001, device=device).to(torch.bfloat16)
+    y = tfuse.add_act(z, act="tanh").double()
+    exact = torch.tanh(z.double())
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().to(torch.bfloat16).double()
+    assert ((y - exact.to(torch.bfloat16).double()).abs() <= ulp + 1e-38).all()
 
 
 def test_functional_and_top_level_are_the_same(device):

@@ -26,6 +26,28 @@ ACTIVATIONS: dict[str, int] = {
 }
 
 
+#: Math modes of kernels/activations.py as plain ints.
+MATH_PORTABLE, MATH_GPU, MATH_GPU_TANH_APPROX = (
+    mode.value for mode in (kernels.activations.PORTABLE, kernels.activations.GPU, kernels.activations.GPU_TANH_APPROX)
+)
+#: Output dtypes whose rounding hides tanh.approx.f32's error (about 2**-11 relative):
+#: a quarter of a bfloat16 ulp. (A float16 ulp is 2**-10: the error would show.)
+_TANH_APPROX_DTYPES = (torch.bfloat16,)
+
+
+def math_mode(out_dtype: torch.dtype, interpreted: bool) -> int:
+    """The MATH constexpr of the activation kernels for a result of ``out_dtype``.
+
+    Under Triton's interpreter (``interpreted``), the portable formulas;
+    compiled, libdevice's tanh and approximate float32 division, plus the
+    hardware tanh.approx.f32 where the result is stored as bfloat16 (see
+    kernels/activations.py for the error of each).
+    """
+    if interpreted:
+        return MATH_PORTABLE
+    return MATH_GPU_TANH_APPROX if out_dtype in _TANH_APPROX_DTYPES else MATH_GPU
+
+
 def check_activation(op: str, act: object, negative_slope: object) -> tuple[str, float]:
     """Validates ``act`` and ``negative_slope``; returns them normalised.
 

@@ -5,6 +5,17 @@ and neighbours merged wherever every operand allows, so that a
 contiguous same-shape op becomes a single row and a bias over channels
 becomes (rows, channels). The last merged dimension is the tile's column
 dimension, the others are the rows.
+
+Wide columns: when the last merged dimension is not a multiple of 16
+elements (7x7 or 14x14 pixels per channel, a hidden size of 1000), rows of
+the output start at addresses Triton cannot prove 16-byte aligned, and every
+access would be scalar. The launchers then ask for more column dimensions
+(``max_col_rank``): the columns become the last COL_RANK merged dimensions,
+as many as it takes for their product to be a multiple of 16 (all of them,
+a single row, if none is). Contiguous operands are then addressed by the
+column index itself and get 128-bit accesses; broadcast operands find their
+offset from the column's coordinates, one multiply-high per inner dimension
+(``magic_divisor``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,30 @@ TILE_ELEMENTS = 2048
 NUM_WARPS = 4
 #: Offsets are computed in int32 below this bound and in int64 from it on.
 INT32_LIMIT = 2**31 - 1
+#: Column counts that are a multiple of this (in elements) keep every row 16-byte
+#: aligned for any dtype, as Triton sees it (it specialises integer arguments
+#: divisible by 16).
+COL_ALIGN = 16
+#: Placeholder for ``col_divs`` of a plan with one column dimension.
+NO_COL_DIVS = ((1, 0, 0),)
+
+
+def magic_divisor(d: int) -> tuple[int, int, int]:
+    """``(d, m, s)`` with ``j // d == umulhi(j, m) >> s`` for every 0 <= j < 2**31 (d >= 2).
+
+    Granlund and Montgomery (1994), theorem 4.2 with N = 31 bits: with
+    l = ceil(log2 d) and m = ceil(2**(31 + l) / d), m * d exceeds 2**(31 + l)
+    by less than d <= 2**l, so floor(j * m / 2**(31 + l)) == floor(j / d) for
+    j < 2**31; m < 2**32 because d > 2**(l - 1), so the product's high 32 bits
+    (umulhi) shifted right by l - 1 give the quotient. ``m`` is returned as
+    the int32 with the same bits (kernels reinterpret it as uint32).
+    """
+    if d < 2:
+        raise ValueError(f"internal error: magic divisor for {d}")
+    shift = (d - 1).bit_length()
+    m = -(-(1 << (31 + shift)) // d)
+    assert m < 2**32
+    return d, m - 2**32 if m >= 2**31 else m, shift - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +72,13 @@ class TilePlan:
     Attributes:
         n_rows, n_cols: the output as a 2-D array in memory order.
         outer_sizes: sizes of the merged outer dimensions (their product is n_rows).
-        modes: addressing mode of each input (LINEAR ... STRIDED, see kernels/add.py).
+        col_sizes: sizes of the merged column dimensions, outermost first
+            (their product is n_cols; one dimension unless widened).
+        col_divs: ``magic_divisor`` of each column dimension but the
+            outermost, innermost first (NO_COL_DIVS with one dimension).
+        modes: addressing mode of each input (LINEAR ... STRIDED, see kernels/tiles.py).
         in_strides: per input, its merged strides (outer ones, then the column
-            stride) for ROW/COL/STRIDED modes; a placeholder otherwise.
+            ones) for ROW/COL/STRIDED modes; a placeholder otherwise.
         merged_strides: per input, its merged strides whatever its mode.
         index_64: offsets need int64.
         block_rows, block_cols: tile shape (powers of two).
@@ -48,12 +87,19 @@ class TilePlan:
     n_rows: int
     n_cols: int
     outer_sizes: tuple[int, ...]
+    col_sizes: tuple[int, ...]
+    col_divs: tuple[tuple[int, int, int], ...]
     modes: tuple[int, ...]
     in_strides: tuple[tuple[int, ...], ...]
     merged_strides: tuple[tuple[int, ...], ...]
     index_64: bool
     block_rows: int
     block_cols: int
+
+    @property
+    def col_rank(self) -> int:
+        """Number of merged dimensions that make the columns."""
+        return len(self.col_sizes)
 
     @property
     def grid(self) -> tuple[int]:
@@ -68,6 +114,7 @@ def tile_meta(plan: TilePlan, out: torch.Tensor, emulate_bf16_rtne: bool) -> dic
     return dict(
         MODES=plan.modes,
         OUTER_RANK=len(plan.outer_sizes),
+        COL_RANK=plan.col_rank,
         INDEX_64=plan.index_64,
         ACC_FP64=out.dtype == torch.float64,
         EMULATE_BF16_RTNE=out.dtype == torch.bfloat16 and emulate_bf16_rtne,
@@ -92,23 +139,40 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def plan_tiles(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> TilePlan:
+def plan_tiles(out: torch.Tensor, inputs: Sequence[torch.Tensor], max_col_rank: int | None = 1) -> TilePlan:
     """Plans the tiling for writing ``out`` (dense, allocated by the launcher) from ``inputs``.
 
-    ``inputs`` must broadcast to ``out.shape`` (checked by the caller). Plans
-    depend only on shapes and strides, and training repeats the same ones
-    every step, so they are cached (a plan costs about 15 us of Python).
+    ``inputs`` must broadcast to ``out.shape`` (checked by the caller). With
+    ``max_col_rank`` above 1 (None: no limit) the columns may span several
+    merged dimensions (see the module docstring); the launchers ask for that,
+    the default is the plain one-dimension plan. Plans depend only on shapes
+    and strides, and training repeats the same ones every step, so they are
+    cached (a plan costs about 15 us of Python).
     """
     layouts = tuple((tuple(t.shape), t.stride()) for t in inputs)
-    return _plan(tuple(out.shape), out.stride(), layouts, INT32_LIMIT)
+    return _plan(tuple(out.shape), out.stride(), layouts, INT32_LIMIT, max_col_rank)
 
 
 def plan_layouts(
-    shape: Sequence[int], out_strides: Sequence[int], layouts: Sequence[tuple[Sequence[int], Sequence[int]]]
+    shape: Sequence[int],
+    out_strides: Sequence[int],
+    layouts: Sequence[tuple[Sequence[int], Sequence[int]]],
+    max_col_rank: int | None = 1,
 ) -> TilePlan:
     """:func:`plan_tiles` from (sizes, strides) pairs, for operands that are not tensors yet."""
     key = tuple((tuple(sizes), tuple(strides)) for sizes, strides in layouts)
-    return _plan(tuple(shape), tuple(out_strides), key, INT32_LIMIT)
+    return _plan(tuple(shape), tuple(out_strides), key, INT32_LIMIT, max_col_rank)
+
+
+def _col_rank(sizes: Sequence[int], max_col_rank: int | None) -> int:
+    """How many trailing merged dimensions make the columns (see the module docstring)."""
+    limit = len(sizes) if max_col_rank is None else min(max_col_rank, len(sizes))
+    n_cols = 1
+    for rank in range(1, limit + 1):
+        n_cols *= sizes[-rank]
+        if n_cols % COL_ALIGN == 0:
+            return rank
+    return limit if limit == len(sizes) else 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -117,6 +181,7 @@ def _plan(
     out_strides: tuple[int, ...],
     layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...],
     int32_limit: int,
+    max_col_rank: int | None = 1,
 ) -> TilePlan:
     operands = [out_strides] + [expanded_strides(sizes, strides, shape) for sizes, strides in layouts]
     # Memory order of the output, outermost first; size-1 dimensions carry nothing.
@@ -145,6 +210,8 @@ def _plan(
             raise RuntimeError(f"internal error: output strides {out_strides} are not dense")
         contiguous *= size
 
+    col_rank = _col_rank(sizes, max_col_rank)
+    outer_rank = len(sizes) - col_rank
     modes = []
     in_strides = []
     for strides in merged[1:]:
@@ -152,16 +219,20 @@ def _plan(
             modes.append(LINEAR)
         elif all(s == 0 for s in strides):
             modes.append(SCALAR)
-        elif strides[-1] == 0:
+        elif all(s == 0 for s in strides[outer_rank:]):
             modes.append(ROW)
-        elif all(s == 0 for s in strides[:-1]):
+        elif all(s == 0 for s in strides[:outer_rank]):
             modes.append(COL)
         else:
             modes.append(STRIDED)
         in_strides.append(tuple(strides) if modes[-1] not in (LINEAR, SCALAR) else (0,))
 
-    n_cols = sizes[-1]
-    outer_sizes = tuple(sizes[:-1])
+    outer_sizes = tuple(sizes[:outer_rank])
+    col_sizes = tuple(sizes[outer_rank:])
+    col_divs = tuple(magic_divisor(d) for d in reversed(col_sizes[1:])) or NO_COL_DIVS
+    n_cols = 1
+    for size in col_sizes:
+        n_cols *= size
     n_rows = 1
     for size in outer_sizes:
         n_rows *= size
@@ -185,6 +256,8 @@ def _plan(
         n_rows=n_rows,
         n_cols=n_cols,
         outer_sizes=outer_sizes,
+        col_sizes=col_sizes,
+        col_divs=col_divs,
         modes=tuple(modes),
         in_strides=tuple(in_strides),
         merged_strides=tuple(tuple(m) for m in merged[1:]),

@@ -74,11 +74,11 @@ def add_forward(
 
 
 def _add_triton(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    plan = plan_tiles(out, tensors)
+    plan = plan_tiles(out, tensors, max_col_rank=None)
     launch(
         kernels._add_fwd_kernel,
         plan.grid,
-        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols),
+        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.col_divs, plan.n_rows, plan.n_cols),
         dict(N_INPUTS=len(tensors), **tile_meta(plan, out, interpreter_active())),
         out.device,
     )

@@ -13,6 +13,7 @@ What backward keeps (saved tensors), by activation:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -21,14 +22,24 @@ import torch
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch, target_programs
-from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
+from tfuse.ops._activations import (
+    ACTIVATIONS,
+    check_activation,
+    grad_from_output,
+    math_mode,
+    torch_act_,
+    torch_act_backward,
+)
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
 from tfuse.ops._tiles import (
     COL,
+    COL_ALIGN,
     LINEAR,
     NUM_WARPS,
     ROW,
     SCALAR,
+    STRIDED,
+    TILE_ELEMENTS,
     TilePlan,
     empty_broadcast_output,
     plan_layouts,
@@ -36,13 +47,29 @@ from tfuse.ops._tiles import (
     reduced_grad_strides,
     tile_meta,
 )
+from tfuse.ops._tiles import _next_power_of_2
 from tfuse.ops.add import add_forward
 
 #: Most tensors added to x before the activation.
 MAX_OTHERS = 3
-#: Stage-2 reduction tile: partial rows x gradient elements per step.
+#: Stage-2 reduction tile: partial rows x gradient elements per step (elements
+#: shrink to _SUM_MIN_ELEMENTS when that gives the launch more programs).
 _SUM_BLOCK_PARTIALS = 16
 _SUM_BLOCK_ELEMENTS = 128
+_SUM_MIN_ELEMENTS = 32
+#: Gradient mode of kernels/add_act.py for a per-channel bias (see its docstring).
+CHAN = kernels.add_act.CHAN.value
+#: Backward programs per SM on a GPU, by num_warps. Each program loops over its
+#: rows with one tile of loads in flight: 4 programs of 4 warps per SM (the
+#: reduction target of tfuse._launch) measured 76-84% of copy bandwidth on an
+#: H100 (gelu, silu bf16 16384^2), 8 per SM 86-95%. 7 is what a 4-warp program
+#: of up to 73 registers (the kernel takes 45-72) keeps resident on every SM,
+#: so all of them run in one wave, without a tail; the 8-warp per-channel
+#: kernel (about 75 registers) keeps 3.
+_GPU_BWD_PROGRAMS_PER_SM = {4: 7, 8: 3}
+_TARGET_PROGRAMS_PER_SM = 4  # tfuse._launch.target_programs on a GPU
+#: Widest column block of the backward (lanes); 8 warps above TILE_ELEMENTS.
+_MAX_BWD_BLOCK_COLS = 2 * TILE_ELEMENTS
 
 
 def add_act(
@@ -173,12 +200,15 @@ def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _
     out = tensors[0] if spec.inplace else empty_broadcast_output(tensors, tensors[0].shape, dtype)
     if out.numel() == 0:
         return out
-    plan = plan_tiles(out, tensors)
+    plan = plan_tiles(out, tensors, max_col_rank=None)
+    interpreted = interpreter_active()
     launch(
         kernels._add_act_fwd_kernel,
         plan.grid,
-        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.n_rows, plan.n_cols, spec.negative_slope),
-        dict(N_INPUTS=len(tensors), ACT=spec.code, **tile_meta(plan, out, interpreter_active())),
+        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.col_divs, plan.n_rows, plan.n_cols,
+         spec.negative_slope),
+        dict(N_INPUTS=len(tensors), ACT=spec.code, MATH=math_mode(out.dtype, interpreted),
+             **tile_meta(plan, out, interpreted)),
         out.device,
     )
     return out
@@ -261,125 +291,249 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
     if math.prod(out_shape) == 0:
         return [torch.zeros(shape, dtype=dtype, device=device) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)]
 
+    sources = () if spec.act == "identity" else tuple(saved)
+    bwd = _backward_plan(
+        tuple(out_shape),
+        tuple(out_strides),
+        tuple(ctx.input_meta),
+        tuple(bool(n) for n in needed),
+        (tuple(grad_out.shape), grad_out.stride(), grad_out.dtype),
+        tuple((tuple(t.shape), t.stride()) for t in sources),
+        spec.code,
+        ctx.from_output,
+        device.type,
+        target_programs(device),
+        interpreter_active(),
+    )
+    grads = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype, _ in bwd.slots]
+    partials = [
+        grad if n_partials is None else torch.empty(n_partials * grad.numel(), dtype=bwd.acc_dtype, device=device)
+        for grad, n_partials in zip(grads, bwd.n_partials)
+    ]
+    launch(
+        kernels._add_act_bwd_kernel,
+        bwd.grid,
+        (grad_out, bwd.dy_strides, sources, bwd.src_strides, tuple(partials), *bwd.static_args, spec.negative_slope),
+        bwd.meta,
+        device,
+    )
+    if bwd.reduced:
+        launch(
+            kernels._sum_partials_kernel,
+            bwd.sum_grid,
+            (
+                tuple(partials[i] for i in bwd.reduced),
+                tuple(grads[i] for i in bwd.reduced),
+                tuple(bwd.n_partials[i] for i in bwd.reduced),
+                tuple(grads[i].numel() for i in bwd.reduced),
+            ),
+            bwd.sum_meta,
+            device,
+        )
+
+    result: list[torch.Tensor | None] = [None] * len(ctx.input_meta)
+    for grad, (_, _, _, indices) in zip(grads, bwd.slots):
+        for index in indices:
+            result[index] = grad
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    """Everything the backward launches need that depends on layouts only (cached per layout).
+
+    slots: per gradient buffer (shape, strides, dtype, input indices it serves).
+    n_partials: per slot, the partial rows of its float32 reduction (None for LINEAR).
+    reduced: indices of the slots that need the second stage.
+    static_args: the backward kernel's arguments after grad_ptrs, up to negative_slope.
+    """
+
+    slots: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, tuple[int, ...]], ...]
+    n_partials: tuple[int | None, ...]
+    reduced: tuple[int, ...]
+    acc_dtype: torch.dtype
+    dy_strides: tuple[int, ...]
+    src_strides: tuple[tuple[int, ...], ...]
+    static_args: tuple
+    grid: tuple[int, int]
+    meta: dict
+    sum_grid: tuple[int]
+    sum_meta: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_plan(
+    out_shape: tuple[int, ...],
+    out_strides: tuple[int, ...],
+    input_meta: tuple[tuple[torch.Size, torch.dtype], ...],
+    needed: tuple[bool, ...],
+    dy_layout: tuple[tuple[int, ...], tuple[int, ...], torch.dtype],
+    src_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...],
+    act_code: int,
+    from_output: bool,
+    device_type: str,
+    programs: int,
+    interpreted: bool,
+) -> _BackwardPlan:
     # One gradient buffer per slot: full-size inputs of one dtype share one
     # buffer (their gradients are equal); broadcast inputs get their own.
-    slots: list[tuple[torch.Tensor, list[int]]] = []
+    slots: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, list[int]]] = []
     full_size_slot: dict[torch.dtype, int] = {}
-    for index, ((shape, dtype), need) in enumerate(zip(ctx.input_meta, needed)):
+    for index, ((shape, dtype), need) in enumerate(zip(input_meta, needed)):
         if not need:
             continue
-        if shape == out_shape:
+        if tuple(shape) == out_shape:
             if dtype not in full_size_slot:
                 full_size_slot[dtype] = len(slots)
-                slots.append((_empty_grad(out_shape, out_strides, dtype, device), []))
-            slots[full_size_slot[dtype]][1].append(index)
+                slots.append((out_shape, out_strides, dtype, []))
+            slots[full_size_slot[dtype]][3].append(index)
         else:
-            strides = reduced_grad_strides(shape, out_shape, out_strides)
-            slots.append((_empty_grad(shape, strides, dtype, device), [index]))
+            slots.append((tuple(shape), reduced_grad_strides(shape, out_shape, out_strides), dtype, [index]))
 
-    sources = () if spec.act == "identity" else tuple(saved)
-    operands = [grad_out, *sources, *(grad for grad, _ in slots)]
-    plan = plan_layouts(out_shape, out_strides, [(tuple(t.shape), t.stride()) for t in operands])
-    n_src = len(sources)
-    grad_modes = plan.modes[1 + n_src :]
+    n_src = len(src_layouts)
+    layouts = [dy_layout[:2], *src_layouts, *((shape, strides) for shape, strides, _, _ in slots)]
+    plan = plan_layouts(out_shape, out_strides, layouts, max_col_rank=None)
+    grad_modes = _grad_modes(plan, n_src)
+    if grad_modes is None:  # a reduction the wide columns cannot serve: one column dimension
+        plan = plan_layouts(out_shape, out_strides, layouts, max_col_rank=1)
+        grad_modes = plan.modes[1 + n_src :]
     grad_strides = plan.merged_strides[1 + n_src :]
+    block_rows, block_cols, block_width = _backward_blocks(plan, CHAN in grad_modes)
 
-    n_col_blocks = -(-plan.n_cols // plan.block_cols)
-    row_chunks = -(-plan.n_rows // plan.block_rows)
-    groups = min(row_chunks, max(1, target_programs(device) // n_col_blocks))
-    rows_per_group = -(-row_chunks // groups) * plan.block_rows
+    n_col_blocks = -(-plan.n_cols // block_width)
+    row_chunks = -(-plan.n_rows // block_rows)
+    num_warps = max(NUM_WARPS, block_rows * block_cols // (32 * 16))
+    if device_type == "cuda":
+        # All programs resident at once (one wave, no tail): see _GPU_BWD_PROGRAMS_PER_SM.
+        programs = programs // _TARGET_PROGRAMS_PER_SM * _GPU_BWD_PROGRAMS_PER_SM[num_warps]
+    groups = min(row_chunks, max(1, programs // n_col_blocks))
+    rows_per_group = -(-row_chunks // groups) * block_rows
     groups = -(-plan.n_rows // rows_per_group)
 
-    acc_dtype = torch.float64 if any(grad.dtype == torch.float64 for grad, _ in slots) or grad_out.dtype == torch.float64 else torch.float32
-    partials, red_strides, numels, n_bcasts = [], [], [], []
-    for (grad, _), mode, strides in zip(slots, grad_modes, grad_strides):
+    float64 = torch.float64 in (dy_layout[2], *(dtype for _, _, dtype, _ in slots))
+    acc_dtype = torch.float64 if float64 else torch.float32
+    n_partials, red_strides, numels, n_bcasts = [], [], [], []
+    largest_partial = 0
+    for (shape, _, _, _), mode, strides in zip(slots, grad_modes, grad_strides):
         red, n_bcast = _broadcast_row_strides(plan, strides)
-        numel = grad.numel()
+        numel = math.prod(shape)
         if mode == LINEAR:
-            partial, n_partials = grad, 0
-        elif mode == COL:
-            n_partials = groups
+            count = None
+        elif mode in (COL, CHAN):
+            count = groups
         elif mode == SCALAR:
-            n_partials = groups * n_col_blocks
+            count = groups * n_col_blocks
         elif mode == ROW:
-            n_partials = n_col_blocks * n_bcast
+            count = n_col_blocks * n_bcast
         else:  # STRIDED: dz itself, per broadcast coordinate
-            n_partials = n_bcast
-        if mode != LINEAR:
-            partial = torch.empty(n_partials * numel, dtype=acc_dtype, device=device)
-        partials.append((partial, n_partials))
+            count = n_bcast
+        if count is not None:
+            largest_partial = max(largest_partial, count * numel)
+        n_partials.append(count)
         red_strides.append(red)
         numels.append(numel)
         n_bcasts.append(n_bcast)
 
-    index_64 = plan.index_64 or any(p.numel() >= 2**31 - 1 for p, _ in partials)
-    launch(
-        kernels._add_act_bwd_kernel,
-        (n_col_blocks, groups),
-        (
-            grad_out,
-            plan.in_strides[0],
-            sources,
-            plan.in_strides[1 : 1 + n_src],
-            tuple(p for p, _ in partials),
+    meta = dict(
+        DY_MODE=plan.modes[0],
+        N_SRC=n_src,
+        SRC_MODES=plan.modes[1 : 1 + n_src],
+        FROM_OUTPUT=from_output,
+        N_GRADS=len(slots),
+        GRAD_MODES=grad_modes,
+        OUTER_RANK=len(plan.outer_sizes),
+        COL_RANK=plan.col_rank,
+        ACT=act_code,
+        MATH=math_mode(acc_dtype, interpreted),
+        INDEX_64=plan.index_64 or largest_partial >= 2**31 - 1,
+        ACC_FP64=float64,
+        EMULATE_BF16_RTNE=interpreted,
+        ONE_ROW=plan.n_rows == 1,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        PIXELS_POW2=_next_power_of_2(plan.col_sizes[-1]) if CHAN in grad_modes else 1,
+        num_warps=num_warps,
+    )
+    reduced = tuple(i for i, count in enumerate(n_partials) if count is not None)
+    largest = max((numels[i] for i in reduced), default=1)
+    sum_elements = _SUM_BLOCK_ELEMENTS
+    while sum_elements > _SUM_MIN_ELEMENTS and -(-largest // sum_elements) < programs:
+        sum_elements //= 2
+    return _BackwardPlan(
+        slots=tuple((shape, strides, dtype, tuple(indices)) for shape, strides, dtype, indices in slots),
+        n_partials=tuple(n_partials),
+        reduced=reduced,
+        acc_dtype=acc_dtype,
+        dy_strides=plan.in_strides[0],
+        src_strides=plan.in_strides[1 : 1 + n_src],
+        static_args=(
             grad_strides,
             tuple(red_strides),
             tuple(numels),
             tuple(n_bcasts),
             plan.outer_sizes,
+            plan.col_divs,
             plan.n_rows,
             plan.n_cols,
             rows_per_group,
-            spec.negative_slope,
+            block_width,
         ),
-        dict(
-            DY_MODE=plan.modes[0],
-            N_SRC=n_src,
-            SRC_MODES=plan.modes[1 : 1 + n_src],
-            FROM_OUTPUT=ctx.from_output,
-            N_GRADS=len(slots),
-            GRAD_MODES=grad_modes,
-            OUTER_RANK=len(plan.outer_sizes),
-            ACT=spec.code,
-            INDEX_64=index_64,
-            ACC_FP64=acc_dtype == torch.float64,
-            EMULATE_BF16_RTNE=interpreter_active(),
-            ONE_ROW=plan.n_rows == 1,
-            BLOCK_ROWS=plan.block_rows,
-            BLOCK_COLS=plan.block_cols,
+        grid=(n_col_blocks, groups),
+        meta=meta,
+        sum_grid=(-(-largest // sum_elements),),
+        sum_meta=dict(
+            N=len(reduced),
+            INDEX_64=largest_partial >= 2**31 - 1,
+            EMULATE_BF16_RTNE=interpreted,
+            BLOCK_PARTIALS=_SUM_BLOCK_PARTIALS,
+            BLOCK_ELEMENTS=sum_elements,
             num_warps=NUM_WARPS,
         ),
-        device,
     )
 
-    reduced = [(p, n, grad) for (p, n), (grad, _), mode in zip(partials, slots, grad_modes) if mode != LINEAR]
-    if reduced:
-        largest = max(grad.numel() for _, _, grad in reduced)
-        launch(
-            kernels._sum_partials_kernel,
-            (-(-largest // _SUM_BLOCK_ELEMENTS),),
-            (
-                tuple(p for p, _, _ in reduced),
-                tuple(grad for _, _, grad in reduced),
-                tuple(n for _, n, _ in reduced),
-                tuple(grad.numel() for _, _, grad in reduced),
-            ),
-            dict(
-                N=len(reduced),
-                INDEX_64=any(p.numel() >= 2**31 - 1 for p, _, _ in reduced),
-                EMULATE_BF16_RTNE=interpreter_active(),
-                BLOCK_PARTIALS=_SUM_BLOCK_PARTIALS,
-                BLOCK_ELEMENTS=_SUM_BLOCK_ELEMENTS,
-                num_warps=NUM_WARPS,
-            ),
-            device,
-        )
 
-    grads: list[torch.Tensor | None] = [None] * len(ctx.input_meta)
-    for grad, indices in slots:
-        for index in indices:
-            grads[index] = grad
-    return grads
+def _grad_modes(plan: TilePlan, n_src: int) -> tuple[int, ...] | None:
+    """The gradient slots' modes for the backward kernel, or None if a reduction does not fit ``plan``.
+
+    With one column dimension every mode works. With wide columns a reduced
+    gradient must not fold distinct columns onto one element, except a
+    per-channel gradient of two column dimensions (channel, pixel) whose
+    pixel stride is 0 (mode CHAN: whole channels per column block).
+    """
+    modes = plan.modes[1 + n_src :]
+    if plan.col_rank == 1:
+        return modes
+    outer_rank = len(plan.outer_sizes)
+    result = []
+    for mode, strides in zip(modes, plan.merged_strides[1 + n_src :]):
+        col_strides = strides[outer_rank:]
+        if mode in (COL, STRIDED) and 0 in col_strides:
+            if mode == COL and plan.col_rank == 2 and col_strides[0] != 0 and plan.col_sizes[1] <= _MAX_BWD_BLOCK_COLS:
+                mode = CHAN
+            else:
+                return None
+        result.append(mode)
+    return tuple(result)
+
+
+def _backward_blocks(plan: TilePlan, per_channel: bool) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_COLS, block_width) of the backward.
+
+    A per-channel (CHAN) gradient needs column blocks of whole channels: the
+    most channels whose pixels fit BLOCK_COLS lanes and keep block starts
+    16-element aligned, on 2048 or 4096 lanes, whichever wastes fewer.
+    """
+    if not per_channel or plan.n_cols <= plan.block_cols:
+        return plan.block_rows, plan.block_cols, plan.block_cols
+    pixels = plan.col_sizes[1]
+    step = COL_ALIGN // math.gcd(pixels, COL_ALIGN)  # channels per aligned block start
+    best = None
+    for lanes in (TILE_ELEMENTS, _MAX_BWD_BLOCK_COLS):
+        channels = (lanes // pixels) // step * step or lanes // pixels
+        if channels and (best is None or channels * pixels / lanes > best[1] * 1.1):
+            best = (lanes, channels * pixels / lanes, channels * pixels)
+    assert best is not None
+    return 1, best[0], best[2]
 
 
 def _empty_grad(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
