@@ -3,8 +3,10 @@
 Bytes are the traffic of a two-read forward: training reads x for the
 statistics and again to normalise, and writes y (plus the residual read);
 eval reads x once. Backward reads x, dy and y in each of its two passes and
-writes dx (and d(residual)). No training batch norm can do with less than
-two reads of x unless x stays on chip.
+writes dx: 7 tensor passes (the residual needs no gradient here; when it
+does, the first pass also writes d(residual) and the second reads it in place
+of dy and y, again 7). No training batch norm can do with less than two reads
+of x unless x stays on chip.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _measure(ctx: Context, shape: tuple[int, ...], dtype: torch.dtype, residual:
         xs = x.detach().requires_grad_(backward)
         dy = torch.randn_like(x) if backward else None
         reads = (1 if not training else 2) + (1 if residual else 0)
-        nbytes = (reads + 1) * size + ((3 + 4 + (1 if residual else 0)) * size if backward else 0)
+        nbytes = (reads + 1) * size + ((3 + 4) * size if backward else 0)
 
         def run(model):
             def step():
@@ -143,7 +145,8 @@ def run(ctx: Context) -> Report:
     notes = [
         f"Device copy bandwidth measured in this run: {ctx.copy_gbps:.1f} GB/s (read + write).",
         "GB/s = bytes / median time, bytes as in the module docstring: eval reads x (+ residual) and writes y; "
-        "training forward reads x twice; backward reads x, dy, y twice and writes dx (+ d(residual)).",
+        "training forward reads x twice; backward reads x, dy, y twice and writes dx "
+        "(the residual needs no gradient).",
         "Layout NCHW, activation ReLU; eager = nn.BatchNorm2d, then + residual, then nn.ReLU.",
     ]
     counted = _interpreted_launches(ctx)

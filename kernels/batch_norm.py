@@ -1,21 +1,44 @@
 """Fused batch norm (+ residual) + activation: statistics, normalise, backward.
 
-The input is viewed as ``[N, C, S]`` (S = the spatial elements; 1 for
-``[N, C]``) through its strides, so NCHW and channels_last tensors are read in
-place. Kernels work on tiles of BLOCK_R reduction rows (r = n * S + s) by
-BLOCK_C channels; the launcher picks the tile shape so that loads run along
-the memory-contiguous axis (rows for NCHW, channels for channels_last).
+Every full-size operand (x, residual, y, dy, dx, d(residual)) shares one dense
+layout, so the input is a matrix of ``n_rows`` rows of ``n_cols`` contiguous
+elements, and the channel of column ``col`` is ``col // SS``:
 
-Training forward (3 launches): per-chunk Welford partials (count is implied,
-mean and M2 stored) -> one small kernel merging them with Chan's formula into
-mean / inverse std (and the running statistics update) -> one pass that
-normalises, scales, shifts, adds the residual and applies the activation.
-Eval forward: that last pass alone, reading the running statistics.
+- NCHW (contiguous): a row is one sample, ``n_cols = C * S``, ``SS = S``;
+- channels_last (and ``[N, C]``): a row is one pixel, ``n_cols = C``, ``SS = 1``
+  (Triton turns the division by a 1 into nothing).
 
-Backward (training): one pass reducing dy' = dy * act'(.) and dy' * x_hat per
-channel into partials -> a small kernel producing d(weight), d(bias) and the
-two per-channel means -> one pass writing dx (and d(residual)). In eval mode
-the first pass writes dx and d(residual) itself: two launches.
+Columns are walked in the memory order and indexed 1-D, so loads and stores
+stay 128-bit wide whatever S is (49, 196, ...) as long as the data allows it:
+the constexpr ``VEC`` is the alignment, in elements, that the launcher proved
+for row starts, column windows and their ends, handed to the compiler with
+``tl.multiple_of``.
+
+Reductions (statistics, backward sums) split the columns into groups of ``GW``
+columns (whole channels: ``CB`` channels of S columns each for NCHW, or one
+channel in pieces of BL when S is long; BL channels for channels_last) and the
+rows into chunks; one program per (group, chunk), as many programs as fit on
+the device at once. Each lane keeps its own running sums in registers over the
+whole chunk (a lane always sees the same channel) and the program reduces them
+once at the end, per channel: ``SEG`` says how (LANE: a column is a channel;
+ONE: the window is one channel; PACKED: CB channels of S lanes each, gathered
+into [channels, S_PAD] tiles through shared memory). No barrier runs inside
+the loops. The small final kernels merge the chunk partials of a block of
+channels in parallel tiles, in a fixed order: results are deterministic.
+
+Numerics: statistics are shifted sums (each channel's values minus its first
+value in the chunk, or the mean of its first row piece when one channel fills
+the program, so a channel with mean 1000 and std 1 sums numbers of size 1),
+merged across chunks with Chan's formula around the first chunk's mean.
+
+Training forward (3 launches): partial statistics -> merge into the per-channel
+table [mean, 1/std, scale = weight/std, bias] (+ running statistics update) ->
+normalise + residual + activation. Eval forward: the last pass alone, reading
+the running statistics. Backward (training): sums of dy' = dy * act'(.) and
+dy' * x_hat (writing d(residual) = dy' on the way) -> d(weight), d(bias) and
+the dx coefficients [mean, scale, bias, scale * mean(dy'), scale / std *
+mean(dy' x_hat)] -> dx (from dy' read back when d(residual) was written).
+In eval the first pass writes dx and d(residual) itself.
 """
 
 import triton
@@ -24,71 +47,194 @@ import triton.language as tl
 from .activations import _act, _act_grad, _act_grad_from_output
 from .cast import _cast_to
 
-
-@triton.jit
-def _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s):
-    """Memory offsets of rows (r = n * S + s) x channels."""
-    n = rows // S
-    s = rows - n * S
-    return (n * stride_n + s * stride_s)[:, None] + (channels * stride_c)[None, :]
+# How a reduction program turns its per-lane sums into per-channel sums.
+SEG_LANE = tl.constexpr(0)  # column == channel (channels_last)
+SEG_ONE = tl.constexpr(1)  # the program's columns are all one channel (NCHW, long rows)
+SEG_PACKED = tl.constexpr(2)  # CB whole channels of SS columns each (NCHW, short rows)
 
 
 @triton.jit
+def _bn_group_window(g, n_cols, GW, VEC: tl.constexpr):
+    """First and past-the-end column of column group ``g`` (both multiples of VEC)."""
+    start = tl.multiple_of(g * GW, VEC)
+    end = tl.multiple_of(tl.minimum(start + GW, n_cols), VEC)
+    return start, end
+
+
+@triton.jit
+def _bn_columns(n_cols, BL: tl.constexpr, VEC: tl.constexpr):
+    """Columns of this program's block (program axis 0) and their mask.
+
+    The bound is computed (min of the block's end and n_cols), not n_cols
+    itself: a hint on a kernel argument would not reach the compiler.
+    """
+    start = tl.program_id(0) * BL
+    end = tl.multiple_of(tl.minimum(start + BL, n_cols), VEC)
+    cols = start + tl.arange(0, BL)
+    return cols, cols < end
+
+
+@triton.jit
+def _bn_rows(row, n_cols, BN: tl.constexpr, VEC: tl.constexpr, INDEX_64: tl.constexpr):
+    """Rows ``row .. row + BN`` and their offsets (multiples of VEC)."""
+    rows = row + tl.arange(0, BN)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+    return rows, tl.multiple_of(rows * n_cols, VEC)
+
+
+@triton.jit
+def _bn_chunk(n_rows, rows_per_chunk, INDEX_64: tl.constexpr):
+    """Row range of this program's chunk (program axis 1)."""
+    chunk = tl.program_id(1)
+    if INDEX_64:
+        chunk = chunk.to(tl.int64)
+    row_begin = chunk * rows_per_chunk
+    return row_begin, tl.minimum(row_begin + rows_per_chunk, n_rows)
+
+
+@triton.jit
+def _bn_lane_params(
+    p_ptr, var_ptr, weight_ptr, bias_ptr, channels, mask, C, eps,
+    FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, acc: tl.constexpr,
+):
+    """Per-lane mean, 1/std, scale (= weight/std) and bias, in ``acc``.
+
+    Batch statistics: p_ptr is the [4, C] table the statistics kernel wrote.
+    FROM_RUNNING: p_ptr/var_ptr are the running mean and variance, with
+    weight and bias (1 and 0 without AFFINE).
+    """
+    if FROM_RUNNING:
+        mean = tl.load(p_ptr + channels, mask=mask, other=0.0).to(acc)
+        var = tl.load(var_ptr + channels, mask=mask, other=1.0).to(acc)
+        invstd = 1.0 / tl.sqrt(var + eps)
+        if AFFINE:
+            weight = tl.load(weight_ptr + channels, mask=mask, other=0.0).to(acc)
+            bias = tl.load(bias_ptr + channels, mask=mask, other=0.0).to(acc)
+            scale = invstd * weight
+        else:
+            scale = invstd
+            bias = tl.zeros_like(mean)
+    else:
+        mean = tl.load(p_ptr + channels, mask=mask, other=0.0).to(acc)
+        invstd = tl.load(p_ptr + C + channels, mask=mask, other=0.0).to(acc)
+        scale = tl.load(p_ptr + 2 * C + channels, mask=mask, other=0.0).to(acc)
+        bias = tl.load(p_ptr + 3 * C + channels, mask=mask, other=0.0).to(acc)
+    return mean, invstd, scale, bias
+
+
+@triton.jit
+def _bn_segment_sums(
+    a, b, start, end, SS, part: tl.constexpr, SEG: tl.constexpr, BL: tl.constexpr,
+    CB_PART: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Per-channel sums of the per-lane sums ``a`` and ``b`` ([BL]) of one column window.
+
+    Returns (channels, channel mask, sums of a, sums of b), vectors for LANE
+    and PACKED, scalars for ONE. PACKED: channel k owns lanes k * SS ..
+    k * SS + SS - 1; channels ``part * CB_PART ..`` of the window are gathered
+    into a [CB_PART, S_PAD] tile (one round trip through shared memory) and
+    summed along the rows. Parts keep the gathered tile at most BL elements.
+    """
+    if SEG == SEG_LANE:
+        channels = start + tl.arange(0, BL)
+        return channels, channels < end, a, b
+    elif SEG == SEG_ONE:
+        return start // SS, start < end, tl.sum(a, axis=0), tl.sum(b, axis=0)
+    else:
+        n_channels = (end - start) // SS
+        index = tl.arange(0, CB_PART * S_PAD)
+        k = part * CB_PART + index // S_PAD
+        s = index % S_PAD
+        valid = (s < SS) & (k < n_channels)
+        source = tl.where(valid, k * SS + s, 0)
+        a_sums = tl.sum(tl.reshape(tl.where(valid, tl.gather(a, source, 0), 0.0), [CB_PART, S_PAD]), axis=1)
+        b_sums = tl.sum(tl.reshape(tl.where(valid, tl.gather(b, source, 0), 0.0), [CB_PART, S_PAD]), axis=1)
+        local = part * CB_PART + tl.arange(0, CB_PART)
+        return start // SS + local, local < n_channels, a_sums, b_sums
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
 def _bn_stats_partial_kernel(
-    x_ptr, mean_ptr, m2_ptr,
-    R, C, S, stride_n, stride_c, stride_s, rows_per_chunk,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INDEX_64: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """Mean and M2 (sum of squared deviations) of one chunk of rows, per channel."""
+    x_ptr, buf_ptr, n_rows, n_cols, SS, GW, rows_per_chunk,
+    SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
+):
+    """Mean and M2 (sum of squared deviations) per channel of one (column group, row chunk).
+
+    Writes buf[4C + chunk * C + c] (mean) and buf[4C + (n_chunks + chunk) * C + c] (M2).
+    """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
     else:
         acc: tl.constexpr = tl.float32
-    channel_block = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if INDEX_64:
-        chunk = chunk.to(tl.int64)
-    channels = channel_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channels < C
-    count = tl.zeros([BLOCK_C], acc)
-    mean = tl.zeros([BLOCK_C], acc)
-    m2 = tl.zeros([BLOCK_C], acc)
-    row_begin = chunk * rows_per_chunk
-    row_end = tl.minimum(row_begin + rows_per_chunk, R)
-    for row_start in range(row_begin, row_end, BLOCK_R):
-        rows = row_start + tl.arange(0, BLOCK_R)
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & channel_mask[None, :]
-        x = tl.load(x_ptr + _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s), mask=mask, other=0.0)
-        x = x.to(acc)
-        # Welford by tiles (Chan et al.): the tile's own mean and M2, then merged.
-        # The tile is summed as deviations from its first row, so a channel
-        # with mean 1000 and std 1 adds numbers of size 1, not 1000.
-        tile_count = tl.sum(row_mask.to(acc), axis=0)
-        shift = tl.sum(tl.where((rows == row_start)[:, None], x, 0.0), axis=0)
-        shifted = tl.where(mask, x - shift[None, :], 0.0)
-        tile_mean_shifted = tl.sum(shifted, axis=0) / tile_count
-        tile_mean = shift + tile_mean_shifted
-        deviation = tl.where(mask, shifted - tile_mean_shifted[None, :], 0.0)
-        tile_m2 = tl.sum(deviation * deviation, axis=0)
-        total = count + tile_count
-        delta = tile_mean - mean
-        mean += delta * (tile_count / total)
-        m2 += tile_m2 + delta * delta * (count * tile_count / total)
-        count = total
-    tl.store(mean_ptr + chunk * C + channels, mean, mask=channel_mask)
-    tl.store(m2_ptr + chunk * C + channels, m2, mask=channel_mask)
+    C = n_cols // SS
+    start, end = _bn_group_window(tl.program_id(0), n_cols, GW, VEC)
+    row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
+    lanes = tl.arange(0, BL)
+    # Shift: values of each channel near its mean, subtracted before summing,
+    # read from the chunk's first row with the same 128-bit loads as the loop.
+    cols = start + lanes
+    first_offset = tl.multiple_of(row_begin * n_cols, VEC)
+    if SEG == SEG_PACKED:  # each channel's first value, spread over its lanes
+        first_row = tl.load(x_ptr + first_offset + cols, mask=cols < end, other=0.0).to(acc)
+        shift = tl.gather(first_row, (lanes // SS) * SS, 0)[None, :]
+    else:  # the row broadcast over the tile's BN rows (its own layout, no shuffle; the repeats hit in cache)
+        same_row = tl.zeros([BN], tl.int32)[:, None]
+        first = tl.load(x_ptr + first_offset + same_row + cols[None, :],
+                        mask=(same_row == 0) & (cols < end)[None, :], other=0.0).to(acc)
+        if SEG == SEG_LANE:  # each column a channel: its first value
+            shift = first
+        else:  # one channel: the mean of its first row's first piece
+            shift = tl.sum(tl.sum(first, axis=1), axis=0) / (BN * tl.minimum(end - start, BL)).to(acc)
+    sum1 = tl.zeros([BN, BL], acc)
+    sum2 = tl.zeros([BN, BL], acc)
+    # Two row blocks per step: twice the bytes in flight for the same accumulators.
+    for row in range(row_begin, row_end, 2 * BN):
+        rows_a, offsets_a = _bn_rows(row, n_cols, BN, VEC, INDEX_64)
+        rows_b, offsets_b = _bn_rows(row + BN, n_cols, BN, VEC, INDEX_64)
+        for piece in range(start, end, BL):
+            cols = tl.multiple_of(piece, VEC) + lanes
+            col_mask = (cols < end)[None, :]
+            mask_a = (rows_a < row_end)[:, None] & col_mask
+            mask_b = (rows_b < row_end)[:, None] & col_mask
+            x_a = tl.load(x_ptr + offsets_a[:, None] + cols[None, :], mask=mask_a, other=0.0).to(acc)
+            x_b = tl.load(x_ptr + offsets_b[:, None] + cols[None, :], mask=mask_b, other=0.0).to(acc)
+            d_a = tl.where(mask_a, x_a - shift, 0.0)
+            d_b = tl.where(mask_b, x_b - shift, 0.0)
+            sum1 += d_a + d_b
+            sum2 += d_a * d_a + d_b * d_b
+    s1_lanes = tl.sum(sum1, axis=0)
+    s2_lanes = tl.sum(sum2, axis=0)
+    count = (row_end - row_begin).to(acc) * SS
+    out = buf_ptr + 4 * C + tl.program_id(1) * C
+    for part in tl.static_range(PARTS):
+        channels, channel_mask, s1, s2 = _bn_segment_sums(
+            s1_lanes, s2_lanes, start, end, SS, part, SEG, BL, CB_PART, S_PAD
+        )
+        if SEG == SEG_LANE:
+            channel_shift = tl.max(shift, axis=0)  # every row holds the same
+        elif SEG == SEG_ONE:
+            channel_shift = shift
+        else:
+            channel_shift = tl.gather(first_row, tl.minimum((channels - start // SS) * SS, BL - 1), 0)
+        mean = channel_shift + s1 / count
+        m2 = tl.maximum(s2 - s1 * (s1 / count), 0.0)
+        tl.store(out + channels, mean, mask=channel_mask)
+        tl.store(out + tl.num_programs(1) * C + channels, m2, mask=channel_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "n_chunks", "rows_per_chunk", "n_rows"])
 def _bn_stats_final_kernel(
-    mean_ptr, m2_ptr, save_mean_ptr, save_invstd_ptr, running_mean_ptr, running_var_ptr,
-    R, C, rows_per_chunk, n_chunks, eps, momentum,
-    UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """Merges the chunk partials: batch mean and 1/sqrt(var + eps), and the running statistics.
+    buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr,
+    C, n_chunks, rows_per_chunk, n_rows, SS, eps, momentum,
+    UPDATE_RUNNING: tl.constexpr, AFFINE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+):
+    """Merges the chunk partials of BLOCK_C channels (Chan's formula, shifted by chunk 0's mean).
 
-    running_var gets the unbiased variance (M2 / (R - 1)), as torch's BatchNorm.
+    Writes the table buf[0:4C] = [mean, 1/sqrt(var + eps), weight/sqrt(var + eps), bias]
+    and updates the running statistics (running_var gets the unbiased variance, as torch).
     """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
@@ -96,23 +242,39 @@ def _bn_stats_final_kernel(
         acc: tl.constexpr = tl.float32
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < C
-    count = tl.zeros([BLOCK_C], acc)
-    mean = tl.zeros([BLOCK_C], acc)
-    m2 = tl.zeros([BLOCK_C], acc)
-    for chunk in range(0, n_chunks):
-        chunk_count = tl.minimum(rows_per_chunk, R - chunk * rows_per_chunk).to(acc)
-        chunk_mean = tl.load(mean_ptr + chunk * C + channels, mask=channel_mask, other=0.0)
-        chunk_m2 = tl.load(m2_ptr + chunk * C + channels, mask=channel_mask, other=0.0)
-        total = count + chunk_count
-        delta = chunk_mean - mean
-        mean += delta * (chunk_count / total)
-        m2 += chunk_m2 + delta * delta * (count * chunk_count / total)
-        count = total
-    var = m2 / count
-    tl.store(save_mean_ptr + channels, mean, mask=channel_mask)
-    tl.store(save_invstd_ptr + channels, 1.0 / tl.sqrt(var + eps), mask=channel_mask)
+    partials = buf_ptr + 4 * C
+    shift = tl.load(partials + channels, mask=channel_mask, other=0.0)
+    w1 = tl.zeros([BLOCK_K, BLOCK_C], acc)
+    w2 = tl.zeros([BLOCK_K, BLOCK_C], acc)
+    for k0 in range(0, n_chunks, BLOCK_K):
+        chunks = k0 + tl.arange(0, BLOCK_K)
+        mask = (chunks < n_chunks)[:, None] & channel_mask[None, :]
+        count = (tl.minimum(rows_per_chunk, n_rows - chunks * rows_per_chunk).to(acc) * SS)[:, None]
+        offsets = chunks[:, None] * C + channels[None, :]
+        mean = tl.load(partials + offsets, mask=mask, other=0.0)
+        m2 = tl.load(partials + n_chunks * C + offsets, mask=mask, other=0.0)
+        d = tl.where(mask, mean - shift[None, :], 0.0)
+        w1 += count * d
+        w2 += m2 + count * d * d
+    s1 = tl.sum(w1, axis=0)
+    s2 = tl.sum(w2, axis=0)
+    total = n_rows.to(acc) * SS
+    mean = shift + s1 / total
+    m2 = tl.maximum(s2 - s1 * (s1 / total), 0.0)
+    invstd = 1.0 / tl.sqrt(m2 / total + eps)
+    if AFFINE:
+        weight = tl.load(weight_ptr + channels, mask=channel_mask, other=0.0).to(acc)
+        bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0).to(acc)
+        scale = invstd * weight
+    else:
+        scale = invstd
+        bias = tl.zeros_like(mean)
+    tl.store(buf_ptr + channels, mean, mask=channel_mask)
+    tl.store(buf_ptr + C + channels, invstd, mask=channel_mask)
+    tl.store(buf_ptr + 2 * C + channels, scale, mask=channel_mask)
+    tl.store(buf_ptr + 3 * C + channels, bias, mask=channel_mask)
     if UPDATE_RUNNING:
-        unbiased = m2 / (count - 1.0)
+        unbiased = m2 / (total - 1.0)
         running_mean = tl.load(running_mean_ptr + channels, mask=channel_mask, other=0.0).to(acc)
         running_var = tl.load(running_var_ptr + channels, mask=channel_mask, other=0.0).to(acc)
         running_mean = running_mean * (1.0 - momentum) + mean * momentum
@@ -121,206 +283,221 @@ def _bn_stats_final_kernel(
         tl.store(running_var_ptr + channels, running_var.to(running_var_ptr.dtype.element_ty), mask=channel_mask)
 
 
-@triton.jit
-def _bn_channel_params(
-    mean_ptr, invstd_ptr, weight_ptr, bias_ptr, channels, channel_mask, eps,
-    FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, acc: tl.constexpr,
-):
-    """Per-channel mean, 1/std, weight and bias in ``acc`` (weight 1, bias 0 without AFFINE)."""
-    mean = tl.load(mean_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-    if FROM_RUNNING:
-        var = tl.load(invstd_ptr + channels, mask=channel_mask, other=1.0).to(acc)
-        invstd = 1.0 / tl.sqrt(var + eps)
-    else:
-        invstd = tl.load(invstd_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-    if AFFINE:
-        weight = tl.load(weight_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-        bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-    else:
-        weight = tl.zeros_like(mean) + 1.0
-        bias = tl.zeros_like(mean)
-    return mean, invstd, weight, bias
-
-
-@triton.jit
-def _bn_tile(pid, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows, channels and masks of tile ``pid`` of a 1-D grid over (rows, channels)."""
-    channel_blocks = tl.cdiv(C, BLOCK_C)
-    rows = (pid // channel_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    channels = (pid % channel_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channels < C
-    mask = (rows < R)[:, None] & channel_mask[None, :]
-    return rows, channels, channel_mask, mask
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_fwd_kernel(
-    x_ptr, res_ptr, y_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-    R, C, S, stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s, eps, negative_slope,
+    x_ptr, res_ptr, y_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr,
+    n_rows, n_cols, SS, rows_per_chunk, eps, negative_slope,
     HAS_RESIDUAL: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """y = act((x - mean) * invstd * weight + bias + residual) for one tile; y has x's strides.
+    EMULATE_BF16_RTNE: tl.constexpr, INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
+    VEC: tl.constexpr, ACC_FP64: tl.constexpr,
+):
+    """y = act((x - mean) * scale + bias + residual) over BL columns x one row chunk.
 
-    With FROM_RUNNING, mean_ptr/invstd_ptr are the running mean and variance.
+    The per-channel values are gathered once per lane, then reused down the rows.
     """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
     else:
         acc: tl.constexpr = tl.float32
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows, channels, channel_mask, mask = _bn_tile(pid, R, C, BLOCK_R, BLOCK_C)
-    mean, invstd, weight, bias = _bn_channel_params(
-        mean_ptr, invstd_ptr, weight_ptr, bias_ptr, channels, channel_mask, eps, FROM_RUNNING, AFFINE, acc
+    cols, col_mask = _bn_columns(n_cols, BL, VEC)
+    mean, invstd, scale, bias = _bn_lane_params(
+        p_ptr, var_ptr, weight_ptr, bias_ptr, cols // SS, col_mask, n_cols // SS, eps, FROM_RUNNING, AFFINE, acc
     )
-    scale = invstd * weight
-    offsets = _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s)
-    # (x - mean) first: exact for x near the mean, where x * scale - mean * scale would cancel.
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
-    z = (x - mean[None, :]) * scale[None, :] + bias[None, :]
-    if HAS_RESIDUAL:
-        res_offsets = _bn_offsets(rows, channels, S, res_stride_n, res_stride_c, res_stride_s)
-        z += tl.load(res_ptr + res_offsets, mask=mask, other=0.0).to(acc)
-    y = _act(z, ACT, negative_slope)
-    tl.store(y_ptr + offsets, _cast_to(y, y_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+    row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
+    for row in range(row_begin, row_end, BN):
+        rows, row_offsets = _bn_rows(row, n_cols, BN, VEC, INDEX_64)
+        offsets = row_offsets[:, None] + cols[None, :]
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        # (x - mean) first: exact for x near the mean, where x * scale - mean * scale would cancel.
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
+        z = (x - mean[None, :]) * scale[None, :] + bias[None, :]
+        if HAS_RESIDUAL:
+            z += tl.load(res_ptr + offsets, mask=mask, other=0.0).to(acc)
+        y = _act(z, ACT, negative_slope)
+        tl.store(y_ptr + offsets, _cast_to(y, y_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
 @triton.jit
 def _bn_act_grad_out(
-    dy_ptr, src_ptr, x_ptr, res_ptr, rows, channels, mask, S,
-    stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s, dy_stride_n, dy_stride_c, dy_stride_s,
-    mean, invstd, weight, bias, negative_slope,
+    dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
     HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, ACT: tl.constexpr, acc: tl.constexpr,
 ):
-    """dy' = dy * act'(.) over a tile, and x_hat; act' from the saved output or the recomputed pre-activation."""
-    offsets = _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s)
-    x_hat = (tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc) - mean[None, :]) * invstd[None, :]
-    dy = tl.load(dy_ptr + _bn_offsets(rows, channels, S, dy_stride_n, dy_stride_c, dy_stride_s), mask=mask, other=0.0)
-    dy = dy.to(acc)
+    """dz = dy * act'(.) over a tile (0 off the mask), and x - mean.
+
+    src is the saved output y (FROM_OUTPUT: act' follows from it), else the
+    residual (with HAS_RESIDUAL) to recompute the pre-activation.
+    """
+    xc = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc) - mean[None, :]
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
     if FROM_OUTPUT:
-        # src is the saved output y, laid out like x.
         y = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(acc)
         dz = dy * _act_grad_from_output(y, ACT, negative_slope)
     else:
-        z = x_hat * weight[None, :] + bias[None, :]
+        z = xc * scale[None, :] + bias[None, :]
         if HAS_RESIDUAL:
-            res_offsets = _bn_offsets(rows, channels, S, res_stride_n, res_stride_c, res_stride_s)
-            z += tl.load(res_ptr + res_offsets, mask=mask, other=0.0).to(acc)
+            z += tl.load(src_ptr + offsets, mask=mask, other=0.0).to(acc)
         dz = dy * _act_grad(z, ACT, negative_slope)
-    return tl.where(mask, dz, 0.0), x_hat
+    return tl.where(mask, dz, 0.0), xc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
 def _bn_act_bwd_reduce_kernel(
-    dy_ptr, src_ptr, x_ptr, res_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-    sum_dz_ptr, sum_dz_xhat_ptr, dx_ptr, dres_ptr,
-    R, C, S, stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s,
-    dy_stride_n, dy_stride_c, dy_stride_s, rows_per_chunk, eps, negative_slope,
+    dy_ptr, src_ptr, x_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr, buf_ptr, dx_ptr, dres_ptr,
+    n_rows, n_cols, SS, GW, rows_per_chunk, eps, negative_slope,
     HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr,
     ACT: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
-    INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """Backward pass 1: per-chunk sums of dy' and dy' * x_hat for each channel.
+    SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
+):
+    """Backward pass 1: per (column group, row chunk) sums of dy' and dy' * x_hat per channel.
 
-    With running statistics (eval) dx = dy' * weight * invstd needs no sums,
-    so WRITE_DX/WRITE_DRES write the input gradients here and no second pass runs.
+    Writes buf[5C + chunk * C + c] and buf[5C + (n_chunks + chunk) * C + c].
+    With running statistics (eval) dx = dy' * scale needs no sums, so
+    WRITE_DX writes dx here and no second pass runs. WRITE_DRES writes
+    d(residual) = dy' here in either mode (the dx pass then reads dy' back
+    instead of dy and the saved tensor).
     """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
     else:
         acc: tl.constexpr = tl.float32
-    channel_block = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if INDEX_64:
-        chunk = chunk.to(tl.int64)
-    channels = channel_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channels < C
-    mean, invstd, weight, bias = _bn_channel_params(
-        mean_ptr, invstd_ptr, weight_ptr, bias_ptr, channels, channel_mask, eps, FROM_RUNNING, AFFINE, acc
+    C = n_cols // SS
+    start, end = _bn_group_window(tl.program_id(0), n_cols, GW, VEC)
+    row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
+    lanes = tl.arange(0, BL)
+    cols = start + lanes
+    mean, invstd, scale, bias = _bn_lane_params(
+        p_ptr, var_ptr, weight_ptr, bias_ptr, cols // SS, cols < end, C, eps, FROM_RUNNING, AFFINE, acc
     )
-    sum_dz = tl.zeros([BLOCK_C], acc)
-    sum_dz_xhat = tl.zeros([BLOCK_C], acc)
-    row_begin = chunk * rows_per_chunk
-    row_end = tl.minimum(row_begin + rows_per_chunk, R)
-    for row_start in range(row_begin, row_end, BLOCK_R):
-        rows = row_start + tl.arange(0, BLOCK_R)
-        mask = (rows < row_end)[:, None] & channel_mask[None, :]
-        dz, x_hat = _bn_act_grad_out(
-            dy_ptr, src_ptr, x_ptr, res_ptr, rows, channels, mask, S,
-            stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s, dy_stride_n, dy_stride_c, dy_stride_s,
-            mean, invstd, weight, bias, negative_slope, HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
+    sum_dz = tl.zeros([BN, BL], acc)
+    sum_dz_xc = tl.zeros([BN, BL], acc)
+    for row in range(row_begin, row_end, BN):
+        rows, row_offsets = _bn_rows(row, n_cols, BN, VEC, INDEX_64)
+        row_mask = rows < row_end
+        for piece in range(start, end, BL):
+            cols = tl.multiple_of(piece, VEC) + lanes
+            offsets = row_offsets[:, None] + cols[None, :]
+            mask = row_mask[:, None] & (cols < end)[None, :]
+            dz, xc = _bn_act_grad_out(
+                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
+                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
+            )
+            sum_dz += dz
+            sum_dz_xc += dz * xc
+            if WRITE_DX:
+                tl.store(dx_ptr + offsets, _cast_to(dz * scale[None, :], dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE),
+                         mask=mask)
+            if WRITE_DRES:
+                tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+    # sum dy' * x_hat = 1/std * sum dy' * (x - mean): 1/std is per lane, so it goes in once here
+    # (read again rather than kept in registers through the loop).
+    cols = start + lanes
+    _, invstd, _, _ = _bn_lane_params(
+        p_ptr, var_ptr, weight_ptr, bias_ptr, cols // SS, cols < end, C, eps, FROM_RUNNING, AFFINE, acc
+    )
+    dz_lanes = tl.sum(sum_dz, axis=0)
+    dz_xhat_lanes = tl.sum(sum_dz_xc, axis=0) * invstd
+    out = buf_ptr + 5 * C + tl.program_id(1) * C
+    for part in tl.static_range(PARTS):
+        channels, channel_mask, s_dz, s_dz_xhat = _bn_segment_sums(
+            dz_lanes, dz_xhat_lanes, start, end, SS, part, SEG, BL, CB_PART, S_PAD
         )
-        sum_dz += tl.sum(dz, axis=0)
-        sum_dz_xhat += tl.sum(dz * x_hat, axis=0)
-        offsets = _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s)
-        if WRITE_DX:
-            dx = dz * (weight * invstd)[None, :]
-            tl.store(dx_ptr + offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
-        if WRITE_DRES:
-            tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
-    tl.store(sum_dz_ptr + chunk * C + channels, sum_dz, mask=channel_mask)
-    tl.store(sum_dz_xhat_ptr + chunk * C + channels, sum_dz_xhat, mask=channel_mask)
+        tl.store(out + channels, s_dz, mask=channel_mask)
+        tl.store(out + tl.num_programs(1) * C + channels, s_dz_xhat, mask=channel_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "n_chunks", "count"])
 def _bn_bwd_final_kernel(
-    sum_dz_ptr, sum_dz_xhat_ptr, dweight_ptr, dbias_ptr, coef_ptr,
-    R, C, n_chunks,
-    WRITE_DWEIGHT: tl.constexpr, WRITE_DBIAS: tl.constexpr, BLOCK_C: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """Sums the chunk partials: d(bias) = sum dy', d(weight) = sum dy' x_hat, and their means for dx."""
+    buf_ptr, p_ptr, dweight_ptr, dbias_ptr, C, n_chunks, count,
+    WRITE_DWEIGHT: tl.constexpr, WRITE_DBIAS: tl.constexpr, WRITE_COEF: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, ACC_FP64: tl.constexpr,
+):
+    """Sums the chunk partials of BLOCK_C channels: d(bias) = sum dy', d(weight) = sum dy' x_hat.
+
+    WRITE_COEF (batch statistics, dx or d(residual) wanted) also writes the dx
+    pass's table buf[0:5C] = [mean, scale, bias, scale * mean(dy'), scale / std * mean(dy' x_hat)]
+    from the forward's table p_ptr.
+    """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
     else:
         acc: tl.constexpr = tl.float32
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < C
-    sum_dz = tl.zeros([BLOCK_C], acc)
-    sum_dz_xhat = tl.zeros([BLOCK_C], acc)
-    for chunk in range(0, n_chunks):
-        sum_dz += tl.load(sum_dz_ptr + chunk * C + channels, mask=channel_mask, other=0.0)
-        sum_dz_xhat += tl.load(sum_dz_xhat_ptr + chunk * C + channels, mask=channel_mask, other=0.0)
+    partials = buf_ptr + 5 * C
+    w1 = tl.zeros([BLOCK_K, BLOCK_C], acc)
+    w2 = tl.zeros([BLOCK_K, BLOCK_C], acc)
+    for k0 in range(0, n_chunks, BLOCK_K):
+        chunks = k0 + tl.arange(0, BLOCK_K)
+        mask = (chunks < n_chunks)[:, None] & channel_mask[None, :]
+        offsets = chunks[:, None] * C + channels[None, :]
+        w1 += tl.load(partials + offsets, mask=mask, other=0.0)
+        w2 += tl.load(partials + n_chunks * C + offsets, mask=mask, other=0.0)
+    sum_dz = tl.sum(w1, axis=0)
+    sum_dz_xhat = tl.sum(w2, axis=0)
     if WRITE_DWEIGHT:
         tl.store(dweight_ptr + channels, sum_dz_xhat.to(dweight_ptr.dtype.element_ty), mask=channel_mask)
     if WRITE_DBIAS:
         tl.store(dbias_ptr + channels, sum_dz.to(dbias_ptr.dtype.element_ty), mask=channel_mask)
-    tl.store(coef_ptr + channels, sum_dz / R, mask=channel_mask)
-    tl.store(coef_ptr + C + channels, sum_dz_xhat / R, mask=channel_mask)
+    if WRITE_COEF:
+        total = count.to(acc)
+        mean = tl.load(p_ptr + channels, mask=channel_mask, other=0.0)
+        invstd = tl.load(p_ptr + C + channels, mask=channel_mask, other=0.0)
+        scale = tl.load(p_ptr + 2 * C + channels, mask=channel_mask, other=0.0)
+        bias = tl.load(p_ptr + 3 * C + channels, mask=channel_mask, other=0.0)
+        tl.store(buf_ptr + channels, mean, mask=channel_mask)
+        tl.store(buf_ptr + C + channels, scale, mask=channel_mask)
+        tl.store(buf_ptr + 2 * C + channels, bias, mask=channel_mask)
+        tl.store(buf_ptr + 3 * C + channels, scale * (sum_dz / total), mask=channel_mask)
+        tl.store(buf_ptr + 4 * C + channels, scale * invstd * (sum_dz_xhat / total), mask=channel_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_bwd_dx_kernel(
-    dy_ptr, src_ptr, x_ptr, res_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr, coef_ptr, dx_ptr, dres_ptr,
-    R, C, S, stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s,
-    dy_stride_n, dy_stride_c, dy_stride_s, eps, negative_slope,
-    HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
+    dy_ptr, src_ptr, x_ptr, q_ptr, dx_ptr, dres_ptr,
+    n_rows, n_cols, SS, rows_per_chunk, negative_slope,
+    HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_DZ: tl.constexpr, ACT: tl.constexpr,
     WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
-    INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
- ACC_FP64: tl.constexpr,):
-    """Backward pass 2 (batch statistics): dx = weight * invstd * (dy' - mean(dy') - x_hat * mean(dy' x_hat))."""
+    INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr, ACC_FP64: tl.constexpr,
+):
+    """Backward pass 2 (batch statistics): dx = scale * (dy' - mean(dy') - x_hat * mean(dy' x_hat)).
+
+    That is scale * dy' - a - (x - mean) * b with the per-channel a, b of the
+    table q_ptr [mean, scale, bias, a, b] (written by _bn_bwd_final_kernel).
+    FROM_DZ: dy' is read from src_ptr, the d(residual) the first pass wrote
+    (it is dy'), instead of being recomputed from dy and the saved tensor.
+    """
     if ACC_FP64:
         acc: tl.constexpr = tl.float64
     else:
         acc: tl.constexpr = tl.float32
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows, channels, channel_mask, mask = _bn_tile(pid, R, C, BLOCK_R, BLOCK_C)
-    mean, invstd, weight, bias = _bn_channel_params(
-        mean_ptr, invstd_ptr, weight_ptr, bias_ptr, channels, channel_mask, eps, False, AFFINE, acc
-    )
-    dz, x_hat = _bn_act_grad_out(
-        dy_ptr, src_ptr, x_ptr, res_ptr, rows, channels, mask, S,
-        stride_n, stride_c, stride_s, res_stride_n, res_stride_c, res_stride_s, dy_stride_n, dy_stride_c, dy_stride_s,
-        mean, invstd, weight, bias, negative_slope, HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
-    )
-    offsets = _bn_offsets(rows, channels, S, stride_n, stride_c, stride_s)
+    cols, col_mask = _bn_columns(n_cols, BL, VEC)
+    C = n_cols // SS
+    channels = cols // SS
+    mean = tl.load(q_ptr + channels, mask=col_mask, other=0.0).to(acc)
+    scale = tl.load(q_ptr + C + channels, mask=col_mask, other=0.0).to(acc)
+    if FROM_OUTPUT or FROM_DZ:
+        bias = mean  # unused
+    else:
+        bias = tl.load(q_ptr + 2 * C + channels, mask=col_mask, other=0.0).to(acc)
     if WRITE_DX:
-        mean_dz = tl.load(coef_ptr + channels, mask=channel_mask, other=0.0)
-        mean_dz_xhat = tl.load(coef_ptr + C + channels, mask=channel_mask, other=0.0)
-        dx = (weight * invstd)[None, :] * (dz - mean_dz[None, :] - x_hat * mean_dz_xhat[None, :])
-        tl.store(dx_ptr + offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
-    if WRITE_DRES:
-        tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+        a = tl.load(q_ptr + 3 * C + channels, mask=col_mask, other=0.0).to(acc)
+        b = tl.load(q_ptr + 4 * C + channels, mask=col_mask, other=0.0).to(acc)
+    row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
+    for row in range(row_begin, row_end, BN):
+        rows, row_offsets = _bn_rows(row, n_cols, BN, VEC, INDEX_64)
+        offsets = row_offsets[:, None] + cols[None, :]
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        if FROM_DZ:
+            dz = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(acc)
+            xc = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc) - mean[None, :]
+        else:
+            dz, xc = _bn_act_grad_out(
+                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
+                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
+            )
+        if WRITE_DX:
+            dx = scale[None, :] * dz - a[None, :] - xc * b[None, :]
+            tl.store(dx_ptr + offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+        if WRITE_DRES:
+            tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)

@@ -12,6 +12,7 @@ from torch import nn
 import tfuse
 from tfuse.functional import batch_norm_act
 from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d
+from tfuse.ops import batch_norm as bn_ops
 
 from helpers import make_input, torch_activation
 
@@ -279,3 +280,160 @@ def test_saves_no_pre_activation(act, keeps, device):
     expected = {x.untyped_storage().data_ptr(), (y if keeps == "output" else skip).untyped_storage().data_ptr()}
     assert full_size == expected
     assert all(t.numel() in (x.numel(), 4) for t in saved)
+
+
+# ------------------------------------------------------------------ tilings of the kernels (kernels/batch_norm.py)
+
+def _tiling(x: torch.Tensor):
+    return bn_ops._geometry_of(x)
+
+
+def float64_reference(x, residual, weight, bias, act, dy, eps=1e-5):
+    """act(batch_norm(x) + residual) written out in float64 (batch statistics, biased variance), and its gradients."""
+    xr = x.detach().double().requires_grad_()
+    rr = residual.detach().double().requires_grad_() if residual is not None else None
+    wr = weight.detach().double().requires_grad_()
+    br = bias.detach().double().requires_grad_()
+    dims = [0] + list(range(2, x.dim()))
+    view = [1, -1] + [1] * (x.dim() - 2)
+    mean = xr.mean(dim=dims, keepdim=True)
+    var = ((xr - mean) ** 2).mean(dim=dims, keepdim=True)
+    z = (xr - mean) / torch.sqrt(var + eps) * wr.view(view) + br.view(view)
+    if rr is not None:
+        z = z + rr
+    y = torch_activation(act, 0.01)(z)
+    leaves = [xr] + ([rr] if rr is not None else []) + [wr, br]
+    return y, torch.autograd.grad(y, leaves, dy.double())
+
+
+# (shape, layout, how the reductions split the columns)
+TILINGS = [
+    ((2, 24, 7, 7), "contiguous", "packed"),  # S = 49: rows of 49 values, 16 channels per program
+    ((2, 12, 14, 14), "contiguous", "packed"),  # S = 196: 10 channels per program, a partial last group
+    ((2, 3, 40, 40), "contiguous", "one"),  # S = 1600: one channel per program, in pieces
+    ((3, 5, 7, 7), "channels_last", "lane"),  # a column per channel
+    ((2, 130, 3, 3), "channels_last", "lane"),  # two column blocks, the second partial
+]
+_SEG_NAMES = {bn_ops._SEG_PACKED: "packed", bn_ops._SEG_ONE: "one", bn_ops._SEG_LANE: "lane"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, layout, seg", TILINGS)
+def test_tilings_match_float64(shape, layout, seg, dtype, device):
+    x = make_input(shape, dtype, device, layout).requires_grad_()
+    residual = make_input(shape, dtype, device, layout).requires_grad_()
+    weight = (torch.rand(shape[1], device=device) + 0.5).requires_grad_()
+    bias = torch.randn(shape[1], device=device).requires_grad_()
+    assert _SEG_NAMES[_tiling(x).seg] == seg
+    y = batch_norm_act(x, None, None, weight, bias, training=True, act="relu", residual=residual)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, residual, weight, bias), dy)
+    expected_y, expected_grads = float64_reference(x, residual, weight, bias, "relu", dy)
+    assert y.stride() == x.stride()
+    tolerance = {} if dtype == torch.float32 else grad_tolerance(dtype)
+    torch.testing.assert_close(y.double(), expected_y, **(tolerance or dict(rtol=1e-5, atol=1e-5)))
+    for index, (mine, theirs) in enumerate(zip(grads, expected_grads)):
+        torch.testing.assert_close(mine.double(), theirs, **(tolerance or dict(rtol=1e-4, atol=1e-4)))
+
+
+@pytest.mark.parametrize("shape, layout, seg", TILINGS + [((64, 5), "contiguous", "lane")])
+def test_each_channel_keeps_its_variance_at_large_means(shape, layout, seg, device):
+    # Channels with means from -1e4 to 1e4 and std 1, in float32: each channel's shift
+    # must come from that channel (a neighbour's would leave a large mean in the sums).
+    channels = shape[1]
+    means = torch.linspace(-1e4, 1e4, channels, dtype=torch.float64, device=device)
+    view = [1, -1] + [1] * (len(shape) - 2)
+    x64 = torch.randn(shape, dtype=torch.float64, device=device) + means.view(view)
+    x = x64.float()
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    assert _SEG_NAMES[_tiling(x).seg] == seg
+    running_mean, running_var = torch.zeros(channels, device=device), torch.ones(channels, device=device)
+    y = batch_norm_act(x, running_mean, running_var, training=True, momentum=1.0, act="identity")
+    dims = [0] + list(range(2, len(shape)))
+    exact = x.double()  # the float32 values the op saw
+    unbiased = exact.var(dim=dims)
+    assert ((running_var.double() - unbiased) / unbiased).abs().max().item() < 1e-3
+    torch.testing.assert_close(running_mean.double(), exact.mean(dim=dims), rtol=1e-6, atol=1e-6)
+    biased = exact.var(dim=dims, unbiased=False, keepdim=True)
+    normalised = (exact - exact.mean(dim=dims, keepdim=True)) / torch.sqrt(biased + 1e-5)
+    torch.testing.assert_close(y.double(), normalised, rtol=0, atol=5e-3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 1, 3, 3), (1, 5, 1, 3), (5, 3, 1, 1), (2, 9, 11, 13)])
+def test_odd_sizes_both_backends_match_float64(shape, backend, device):
+    x = make_input(shape, torch.float32, device).requires_grad_()
+    residual = make_input(shape, torch.float32, device)
+    weight = (torch.rand(shape[1], device=device) + 0.5).requires_grad_()
+    bias = torch.randn(shape[1], device=device).requires_grad_()
+    with tfuse.use_backend(backend), tfuse.count_launches() as launches:
+        y = batch_norm_act(x, None, None, weight, bias, training=True, act="gelu", residual=residual)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    assert launches.total == (6 if backend == "triton" else 0)
+    expected_y, (ex, er, ew, eb) = float64_reference(x, residual, weight, bias, "gelu", dy)
+    torch.testing.assert_close(y.double(), expected_y, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(grads, (ex, ew, eb)):
+        torch.testing.assert_close(mine.double(), theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_other_layouts_are_copied_and_still_correct(device):
+    # x laid out (C, N, H, W) in memory, a channels_last residual, and dy from y.sum() (every stride 0).
+    x = torch.randn(5, 3, 4, 6, device=device).permute(1, 0, 2, 3).requires_grad_()
+    residual = make_input((3, 5, 4, 6), torch.float32, device, "channels_last").requires_grad_()
+    weight = (torch.rand(5, device=device) + 0.5).requires_grad_()
+    bias = torch.randn(5, device=device).requires_grad_()
+    y = batch_norm_act(x, None, None, weight, bias, training=True, act="silu", residual=residual)
+    grads = torch.autograd.grad(y.sum(), (x, residual, weight, bias))
+    expected_y, expected_grads = float64_reference(x, residual, weight, bias, "silu", torch.ones_like(y))
+    torch.testing.assert_close(y.double(), expected_y, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(mine.double(), theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_residual_gradient_in_its_own_dtype(layout, device):
+    # d(residual) is dy' in the residual's dtype; the dx pass reads it back only when that loses nothing.
+    x = make_input((3, 6, 5, 5), torch.float32, device, layout).requires_grad_()
+    residual = make_input((3, 6, 5, 5), torch.float16, device, layout).requires_grad_()
+    weight = (torch.rand(6, device=device) + 0.5).requires_grad_()
+    bias = torch.randn(6, device=device).requires_grad_()
+    y = batch_norm_act(x, None, None, weight, bias, training=True, act="relu", residual=residual)
+    dy = torch.randn_like(y)
+    gx, gr = torch.autograd.grad(y, (x, residual), dy)
+    expected_y, (ex, er, _, _) = float64_reference(x, residual.float(), weight, bias, "relu", dy)
+    assert gr.dtype == torch.float16
+    torch.testing.assert_close(gx.double(), ex, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gr.double(), er, rtol=1e-3, atol=1e-3)
+
+
+def test_results_are_deterministic(device):
+    x = make_input((4, 24, 7, 7), torch.bfloat16, device).requires_grad_()
+    residual = make_input((4, 24, 7, 7), torch.bfloat16, device).requires_grad_()
+    layer = FusedBatchNormAct2d(24).to(device)
+    dy = torch.randn_like(x)
+    runs = []
+    for _ in range(2):
+        y = layer(x, residual)
+        runs.append((y, *torch.autograd.grad(y, (x, residual, layer.weight, layer.bias), dy)))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("shape, layout, seg, vec", [
+    ((256, 2048, 7, 7), "contiguous", "packed", 8),
+    ((256, 1024, 14, 14), "contiguous", "packed", 8),
+    ((256, 64, 112, 112), "contiguous", "one", 8),
+    ((256, 64, 112, 112), "channels_last", "lane", 8),
+    ((256, 2048, 7, 7), "channels_last", "lane", 8),
+])
+def test_resnet_shapes_get_16_byte_alignment(shape, layout, seg, vec):
+    # Planning only (meta tensors): rows of 49 or 196 values still give 128-bit vectors (8 x bf16).
+    x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    tiling = _tiling(x)
+    assert _SEG_NAMES[tiling.seg] == seg
+    assert tiling.red_vec == vec and tiling.ew_vec == vec
+    assert tiling.group_width * tiling.groups >= tiling.n_cols > tiling.group_width * (tiling.groups - 1)

@@ -21,7 +21,7 @@ import torch
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
-from tfuse._launch import launch, target_programs
+from tfuse._launch import gpu_sm_count, launch, target_programs
 from tfuse.ops._activations import (
     ACTIVATIONS,
     check_activation,
@@ -67,7 +67,6 @@ CHAN = kernels.add_act.CHAN.value
 #: so all of them run in one wave, without a tail; the 8-warp per-channel
 #: kernel (about 75 registers) keeps 3.
 _GPU_BWD_PROGRAMS_PER_SM = {4: 7, 8: 3}
-_TARGET_PROGRAMS_PER_SM = 4  # tfuse._launch.target_programs on a GPU
 #: Widest column block of the backward (lanes); 8 warps above TILE_ELEMENTS.
 _MAX_BWD_BLOCK_COLS = 2 * TILE_ELEMENTS
 
@@ -301,7 +300,7 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
         tuple((tuple(t.shape), t.stride()) for t in sources),
         spec.code,
         ctx.from_output,
-        device.type,
+        gpu_sm_count(device),
         target_programs(device),
         interpreter_active(),
     )
@@ -371,7 +370,7 @@ def _backward_plan(
     src_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...],
     act_code: int,
     from_output: bool,
-    device_type: str,
+    sms: int | None,
     programs: int,
     interpreted: bool,
 ) -> _BackwardPlan:
@@ -403,9 +402,9 @@ def _backward_plan(
     n_col_blocks = -(-plan.n_cols // block_width)
     row_chunks = -(-plan.n_rows // block_rows)
     num_warps = max(NUM_WARPS, block_rows * block_cols // (32 * 16))
-    if device_type == "cuda":
+    if sms is not None:
         # All programs resident at once (one wave, no tail): see _GPU_BWD_PROGRAMS_PER_SM.
-        programs = programs // _TARGET_PROGRAMS_PER_SM * _GPU_BWD_PROGRAMS_PER_SM[num_warps]
+        programs = sms * _GPU_BWD_PROGRAMS_PER_SM[num_warps]
     groups = min(row_chunks, max(1, programs // n_col_blocks))
     rows_per_group = -(-row_chunks // groups) * block_rows
     groups = -(-plan.n_rows // rows_per_group)

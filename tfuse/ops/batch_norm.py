@@ -2,20 +2,31 @@
 
 Launches: training forward 3 (partial statistics, their merge with the
 running-statistics update, the normalise + residual + activation pass); eval
-forward 1. Training backward 3 (a reducing pass, a small merge, the dx pass;
-2 when neither x nor the residual needs a gradient); eval backward 1, or 2
-with weight/bias gradients.
+forward 1. Training backward 3 (a reducing pass that also writes d(residual),
+a small merge, the dx pass; 2 when x needs no gradient, 1 when neither x nor
+weight/bias do); eval backward 1, or 2 with weight/bias gradients.
+
+Layouts: x is read in place when it is NCHW-contiguous or channels_last (for
+1-D/3-D inputs: contiguous, or channels innermost); any other layout is
+copied to contiguous first. The residual and dy take x's layout (copied
+when theirs differs), so every kernel addresses all full-size tensors alike.
+
+Host cost: everything that depends only on shapes, strides, dtypes and flags
+(tiling, grids, compile-time switches, the reduction grid sized from the
+compiled kernel's occupancy) is computed once and cached; a call allocates
+the outputs and one float32 scratch buffer per pass and launches.
 
 Statistics are float32 (float64 for float64 inputs). Saved for backward:
-x, the per-channel mean and 1/std (or the running
-statistics in eval), weight and bias, plus the output y for activations
-whose derivative follows from it (relu, sigmoid, tanh, leaky_relu with slope
->= 0), else the residual; the pre-activation is recomputed, never stored.
+x, weight and bias, plus the output y for activations whose derivative
+follows from it (relu, sigmoid, tanh, leaky_relu with slope >= 0), else the
+residual; the pre-activation is recomputed, never stored. The per-channel
+statistics table (training) or the running statistics (eval) go along too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -23,13 +34,26 @@ import torch.nn.functional as F
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
-from tfuse._launch import launch, target_programs
+from tfuse import _launch
+from tfuse._launch import launch, launch_cached, resident_programs, target_programs
 from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_
-from tfuse.ops._checks import check_float_dtype, is_dense
+from tfuse.ops._checks import check_float_dtype
 
 NUM_WARPS = 4
-#: Elements per tile of the normalise and dx passes, and per step of the reducing passes.
-TILE_ELEMENTS = 2048
+#: Tile elements per thread the big passes aim for: the warps of a program are its tile over this.
+ELEMENTS_PER_THREAD = 8
+#: Elements per step (one [BN, BL] tile) of a program of the reducing passes.
+TILE_REDUCE = 1024
+#: Elements per step of a program of the normalise and dx passes.
+TILE_ELEMENTWISE = 2048
+#: Widest column block of a channels_last reduction (channels per program).
+MAX_CHANNEL_BLOCK = 64
+#: Steps (tiles) one program of the normalise and dx passes walks down its rows, at most.
+MAX_STEPS = 8
+#: Programs per SM the normalise and dx passes aim for (several waves of resident programs).
+ELEMENTWISE_PROGRAMS_PER_SM = 32
+#: Cached plans (one per shape, strides, dtypes and flags) kept before the cache starts over.
+MAX_PLANS = 1024
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -77,20 +101,13 @@ def batch_norm_act(
         if residual is not None:
             y = y + residual
         return torch_act_(y, act, negative_slope)  # y is a fresh tensor: in place is safe
-    if _strides_nsc(x) is None or not is_dense(x):
-        x = x.contiguous()  # the output and gradients take x's strides, so x must be dense
-    if residual is not None and _strides_nsc(residual) is None:
-        residual = residual.contiguous()
+    if _layout(x) is None:
+        x = x.contiguous()  # the output and gradients take x's layout, so it must be one the kernels read
+    if residual is not None:
+        residual = _in_layout_of(residual, x)
     use_batch_stats = training or running_mean is None
-    spec = _BatchNormSpec(
-        act=act,
-        negative_slope=negative_slope,
-        eps=float(eps),
-        momentum=float(momentum),
-        use_batch_stats=use_batch_stats,
-        update_running=training and running_mean is not None,
-        channels=channels,
-    )
+    spec = _spec(act, negative_slope, float(eps), float(momentum), use_batch_stats,
+                 training and running_mean is not None, channels)
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _BatchNormActFunction.apply(spec, x, weight, bias, residual, running_mean, running_var)
@@ -133,20 +150,50 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
     return channels
 
 
-def _strides_nsc(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(stride_n, stride_c, stride_s) of ``t`` viewed as [N, C, S]; None if the spatial dims do not merge."""
-    if t.dim() == 2:
-        return t.stride(0), t.stride(1), 0
-    spatial = [(size, stride) for size, stride in zip(t.shape[2:], t.stride()[2:]) if size != 1]
-    if not spatial:
-        return t.stride(0), t.stride(1), 0
-    for (outer_size, outer_stride), (inner_size, inner_stride) in zip(spatial, spatial[1:]):
-        if outer_stride != inner_stride * inner_size:
-            return None
-    return t.stride(0), t.stride(1), spatial[-1][1]
+# Layouts the kernels read in place (see kernels/batch_norm.py).
+_NCS = 0  # [N, C, S] contiguous: a row is one sample of C * S values
+_NSC = 1  # channels innermost (channels_last, [N, C]): a row is one position of C values
+_SEG_LANE, _SEG_ONE, _SEG_PACKED = (s.value for s in (kernels.batch_norm.SEG_LANE, kernels.batch_norm.SEG_ONE,
+                                                       kernels.batch_norm.SEG_PACKED))
 
 
-@dataclasses.dataclass(frozen=True)
+def _layout(t: torch.Tensor) -> int | None:
+    """_NCS, _NSC, or None when ``t``'s layout is neither (sizes of 1 never matter)."""
+    return _layout_of(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    channels, spatial = shape[1], math.prod(shape[2:])
+
+    def dense(order: list[int]) -> bool:  # the dimensions in ``order``, innermost last, fill memory exactly
+        expected = 1
+        for dim in reversed(order):
+            if shape[dim] != 1 and strides[dim] != expected:
+                return False
+            expected *= shape[dim]
+        return True
+
+    ncs = dense(list(range(len(shape))))
+    nsc = dense([0] + list(range(2, len(shape))) + [1])
+    if ncs and nsc:  # S == 1 or C == 1: either reads the same memory; channels along columns when S == 1
+        return _NSC if spatial == 1 and channels > 1 else _NCS
+    return _NCS if ncs else _NSC if nsc else None
+
+
+def _in_layout_of(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t`` (of x's shape) if it is laid out as x, else a copy in x's layout (x is dense)."""
+    if t.stride() == x.stride() or _layout(t) == _layout(x):
+        return t
+    return torch.empty_like(x, dtype=t.dtype).copy_(t)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(act, negative_slope, eps, momentum, use_batch_stats, update_running, channels) -> _BatchNormSpec:
+    return _BatchNormSpec(act, negative_slope, eps, momentum, use_batch_stats, update_running, channels)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # interned by _spec: compared and hashed by identity
 class _BatchNormSpec:
     act: str
     negative_slope: float
@@ -163,191 +210,415 @@ class _BatchNormSpec:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """x as [N, C, S] and the tiling of its (rows = N * S) x channels."""
+    """x as a matrix of ``n_rows`` x ``n_cols`` (channel of a column: col // ss) and the tilings of its passes.
 
-    rows: int
+    Reductions: column groups of ``group_width`` columns (``groups`` of them),
+    tiles [red_bn, red_bl], alignment ``red_vec``, per-channel merge ``seg``
+    (``cb_pad``: channels per program, padded, when packed). Normalise and dx
+    passes: tiles [ew_bn, ew_bl], alignment ``ew_vec``, grid ``ew_grid``, each
+    program walking ``ew_rows_per_chunk`` rows.
+    """
+
     channels: int
-    spatial: int
-    block_r: int
-    block_c: int
-    chunks: int
-    rows_per_chunk: int
+    n_rows: int
+    n_cols: int
+    ss: int
+    group_width: int
+    groups: int
+    red_bn: int
+    red_bl: int
+    red_vec: int
+    seg: int
+    cb_pad: int
+    ew_bn: int
+    ew_bl: int
+    ew_vec: int
+    ew_grid: tuple[int, int]
+    ew_rows_per_chunk: int
     index_64: bool
 
-    @property
-    def channel_blocks(self) -> int:
-        return -(-self.channels // self.block_c)
+    def reduce_meta(self) -> dict:
+        s_pad = _next_power_of_2(self.ss) if self.seg == _SEG_PACKED else 1
+        parts = max(1, 2 * self.cb_pad * s_pad // self.red_bl)  # gathered tiles of at most BL / 2 elements
+        return dict(SEG=self.seg, BN=self.red_bn, BL=self.red_bl, VEC=self.red_vec, PARTS=parts,
+                    CB_PART=max(1, self.cb_pad // parts), S_PAD=s_pad, INDEX_64=self.index_64,
+                    num_warps=_warps(self.red_bn * self.red_bl))
 
-    @property
-    def tiles(self) -> int:
-        return -(-self.rows // self.block_r) * self.channel_blocks
+    def elementwise_meta(self) -> dict:
+        return dict(BN=self.ew_bn, BL=self.ew_bl, VEC=self.ew_vec, INDEX_64=self.index_64,
+                    num_warps=_warps(self.ew_bn * self.ew_bl))
+
+    def chunks(self, resident: int) -> tuple[int, int]:
+        """(chunks, rows per chunk) of a reduction with ``resident`` programs on the device at once."""
+        row_steps = -(-self.n_rows // self.red_bn)
+        chunks = min(row_steps, max(1, resident // self.groups))
+        rows_per_chunk = -(-row_steps // chunks) * self.red_bn
+        return -(-self.n_rows // rows_per_chunk), rows_per_chunk
+
+
+def _warps(tile_elements: int) -> int:
+    return max(NUM_WARPS, min(8, tile_elements // (32 * ELEMENTS_PER_THREAD)))
 
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _geometry(x: torch.Tensor, stride_c: int) -> _Geometry:
-    channels = x.shape[1]
-    spatial = math.prod(x.shape[2:])
-    rows = x.shape[0] * spatial
-    if stride_c == 1 or spatial == 1:  # channels are contiguous: tile along them
-        block_c = min(_next_power_of_2(channels), 128)
-    else:  # NCHW: each channel's rows are contiguous: tile along rows
-        block_c = min(_next_power_of_2(channels), 4)
-    block_r = max(1, min(TILE_ELEMENTS // block_c, _next_power_of_2(rows)))
-    channel_blocks = -(-channels // block_c)
-    row_steps = -(-rows // block_r)
-    chunks = min(row_steps, max(1, target_programs(x.device) // channel_blocks))
-    rows_per_chunk = -(-row_steps // chunks) * block_r
-    chunks = -(-rows // rows_per_chunk)
-    largest = max(x.numel(), 1) + TILE_ELEMENTS * max(abs(s) for s in x.stride())
-    return _Geometry(rows, channels, spatial, block_r, block_c, chunks, rows_per_chunk, largest >= _INT32_LIMIT)
+def _power_of_2_factor(n: int, cap: int) -> int:
+    """The largest power of two dividing ``n``, at most ``cap``."""
+    return cap if n == 0 else min(n & -n, cap)
+
+
+def _block(n: int, cap: int) -> int:
+    """A power-of-two block for ``n`` columns: the widest (up to ``cap``) wasting at most 1/8 in padding,
+    else the one (of at least 16) wasting least."""
+    best, best_waste = 1, 1.0
+    block = min(cap, _next_power_of_2(n))
+    smallest = min(block, 16)  # narrower blocks cost more in per-program work than padding does
+    while block >= smallest:
+        padded = -(-n // block) * block
+        waste = (padded - n) / padded
+        if waste <= 0.125:
+            return block
+        if waste < best_waste:
+            best, best_waste = block, waste
+        block //= 2
+    return best
+
+
+def _ncs_reduction(
+    channels: int, spatial: int, n_cols: int, vec_cap: int, itemsize: int
+) -> tuple[int, int, int, int, int]:
+    """(group width, block, alignment, seg, cb_pad) of an NCHW reduction.
+
+    Either ``cb`` whole channels per program, their cb * S values contiguous
+    in a row and read as one window of BL lanes (S <= BL), or one channel per
+    program read in pieces of BL. Candidates are ranked by the vector width
+    they allow, then by the share of lanes doing work, then by width.
+    """
+    best = None
+    block = 16
+    while block <= TILE_REDUCE:
+        options = []
+        if spatial <= block:
+            step = vec_cap // math.gcd(spatial, vec_cap)  # cb * S must stay a multiple of the alignment
+            cb = min(channels, block // spatial // step * step) or min(channels, block // spatial)
+            width = cb * spatial
+            options.append((width, width / block))
+        elif block * itemsize >= 128:  # a piece of a row is at least a cache line
+            pieces = -(-spatial // block)
+            options.append((spatial, spatial / (pieces * block)))
+        for width, used in options:
+            vec = _power_of_2_factor(math.gcd(n_cols, width), vec_cap)
+            key = (vec, round(used * 32), block)
+            if best is None or key > best[0]:
+                best = (key, width, block, vec)
+        block *= 2
+    _, width, block, vec = best
+    cb = width // spatial
+    if width == spatial:
+        return width, block, vec, _SEG_ONE, 1
+    return width, block, vec, _SEG_PACKED, _next_power_of_2(cb)
+
+
+def _elementwise_target(device: torch.device) -> int:
+    """Programs the normalise and dx passes aim for (``target_programs`` is 4 per SM on a GPU)."""
+    return ELEMENTWISE_PROGRAMS_PER_SM * target_programs(device) // 4
+
+
+def _geometry_of(x: torch.Tensor) -> _Geometry:
+    return _geometry(tuple(x.shape), _layout(x), x.element_size(), _elementwise_target(x.device))
+
+
+@functools.lru_cache(maxsize=512)
+def _geometry(shape: tuple[int, ...], layout: int, itemsize: int, elementwise_target: int) -> _Geometry:
+    channels, spatial = shape[1], math.prod(shape[2:])
+    if layout == _NSC:
+        n_rows, n_cols, ss = shape[0] * spatial, channels, 1
+    else:
+        n_rows, n_cols, ss = shape[0], channels * spatial, spatial
+    vec_cap = max(1, 16 // itemsize)
+    row_vec = _power_of_2_factor(n_cols, vec_cap)  # what every row start allows
+    if layout == _NSC:
+        red_bl = _block(channels, MAX_CHANNEL_BLOCK)
+        group_width, red_vec, seg, cb_pad = red_bl, min(row_vec, red_bl), _SEG_LANE, 1
+    else:
+        group_width, red_bl, red_vec, seg, cb_pad = _ncs_reduction(channels, spatial, n_cols, row_vec, itemsize)
+    red_bn = max(1, TILE_REDUCE // red_bl)
+    ew_bl = _block(n_cols, TILE_ELEMENTWISE)
+    ew_bn = max(1, TILE_ELEMENTWISE // ew_bl)
+    col_tiles = -(-n_cols // ew_bl)
+    row_steps = -(-n_rows // ew_bn)
+    steps = max(1, min(MAX_STEPS, col_tiles * row_steps // elementwise_target))
+    ew_rows_per_chunk = steps * ew_bn
+    padded_rows = n_rows + max(red_bn, ew_rows_per_chunk)
+    largest = padded_rows * n_cols + max(red_bl, ew_bl)
+    return _Geometry(
+        channels=channels, n_rows=n_rows, n_cols=n_cols, ss=ss, group_width=group_width,
+        groups=-(-n_cols // group_width), red_bn=red_bn, red_bl=red_bl, red_vec=red_vec, seg=seg,
+        cb_pad=cb_pad, ew_bn=ew_bn, ew_bl=ew_bl, ew_vec=min(row_vec, ew_bl),
+        ew_grid=(col_tiles, -(-n_rows // ew_rows_per_chunk)), ew_rows_per_chunk=ew_rows_per_chunk,
+        index_64=largest >= _INT32_LIMIT,
+    )
+
+
+def _final_blocks(channels: int, chunks: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_C) of a final merge: enough channel blocks to spread over SMs, big tiles down the chunks."""
+    block_c = min(_next_power_of_2(channels), max(8, _next_power_of_2(channels // 64 + 1) // 2))
+    block_k = max(1, min(_next_power_of_2(chunks), 1024 // block_c))
+    return block_k, block_c
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and reductions: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclasses.dataclass
+class _Launch:
+    """A prepared launch: grid, the integer arguments after the tensors, and the meta-parameters.
+
+    Plans are keyed on everything that decides the kernel's specialisation, so
+    each _Launch repeats one compiled kernel: ``cache`` lets
+    :func:`tfuse._launch.launch_cached` relaunch it without Triton's per-call binding.
+    """
+
+    kernel: object
+    grid: tuple[int, ...]
+    ints: tuple
+    meta: dict
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, args: tuple, device: torch.device) -> None:
+        if device.type == "cuda" and launch is _launch.launch:  # not when a tool has replaced ``launch``
+            launch_cached(self.kernel, self.grid, args, self.meta, device, self.cache)
+        else:
+            launch(self.kernel, self.grid, args, self.meta, device)
+
+
+@dataclasses.dataclass
+class _ForwardPlan:
+    geometry: _Geometry
+    acc_dtype: torch.dtype
+    buf_size: int
+    stats: _Launch | None
+    final: _Launch | None
+    normalise: _Launch
+    backward: dict = dataclasses.field(default_factory=dict)  # (needs_input_grad, dy dtype) -> _BackwardPlan
+
+
+@dataclasses.dataclass
+class _BackwardPlan:
+    acc_dtype: torch.dtype
+    buf_size: int
+    reduce: _Launch
+    final: _Launch | None
+    dx: _Launch | None
+    from_dz: bool
+
+
+#: (shapes, strides, dtypes, device, flags) -> _ForwardPlan; each forward plan holds its backward plans.
+_forward_plans: dict = {}
+
+
+def _resident(kernel, args: tuple, meta: dict, device: torch.device) -> int:
+    """Programs of a reduction grid: as many as the device runs at once (from the compiled kernel on a GPU)."""
+    if device.type == "cuda":
+        return resident_programs(kernel, args, meta, device)
+    return target_programs(device)
+
+
+def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, running_var) -> _ForwardPlan:
+    geometry = _geometry_of(x)
+    acc = _acc_dtype(x.dtype)
+    emulate = x.dtype == torch.bfloat16 and interpreter_active()
+    affine = weight is not None
+    normalise = _Launch(
+        kernels._bn_act_fwd_kernel, geometry.ew_grid,
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
+        dict(HAS_RESIDUAL=residual is not None, FROM_RUNNING=not spec.use_batch_stats, AFFINE=affine,
+             ACT=ACTIVATIONS[spec.act], EMULATE_BF16_RTNE=emulate, ACC_FP64=acc == torch.float64,
+             **geometry.elementwise_meta()),
+    )
+    if not spec.use_batch_stats:
+        return _ForwardPlan(geometry, acc, 0, None, None, normalise)
+    stats_meta = dict(ACC_FP64=acc == torch.float64, **geometry.reduce_meta())
+    placeholder = torch.empty(16, dtype=acc, device=x.device)
+    resident = _resident(
+        kernels._bn_stats_partial_kernel,
+        (x, placeholder, geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1), stats_meta, x.device,
+    )
+    chunks, rows_per_chunk = geometry.chunks(resident)
+    block_k, block_c = _final_blocks(geometry.channels, chunks)
+    stats = _Launch(
+        kernels._bn_stats_partial_kernel, (geometry.groups, chunks),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk), stats_meta,
+    )
+    final = _Launch(
+        kernels._bn_stats_final_kernel, (-(-geometry.channels // block_c),),
+        (geometry.channels, chunks, rows_per_chunk, geometry.n_rows, geometry.ss),
+        dict(UPDATE_RUNNING=spec.update_running, AFFINE=affine, BLOCK_K=block_k, BLOCK_C=block_c,
+             ACC_FP64=acc == torch.float64, num_warps=NUM_WARPS),
+    )
+    buf_size = (4 + 2 * chunks) * geometry.channels
+    return _ForwardPlan(geometry, acc, buf_size, stats, final, normalise)
+
+
+def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var) -> _ForwardPlan:
+    """The cached plan for these shapes, strides, dtypes and flags (everything a kernel specialises on)."""
+    device = x.device
+    key = (x.shape, x.stride(), x.dtype, device, target_programs(device), spec,
+           residual is not None and residual.dtype, weight is not None and (weight.dtype, bias.dtype),
+           running_mean is not None and (running_mean.dtype, running_var.dtype))
+    plan = _forward_plans.get(key)
+    if plan is None:
+        if len(_forward_plans) >= MAX_PLANS:  # many shapes (varying batch or image sizes): start over
+            _forward_plans.clear()
+        plan = _forward_plans[key] = _forward_plan(spec, x, residual, weight, running_mean, running_var)
+    return plan
 
 
 def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var):
-    """Runs the forward kernels; returns (y, mean, invstd) (mean/invstd None in eval)."""
-    y = torch.empty_like(x)  # x is dense, so y gets exactly its strides
+    """Runs the forward kernels; returns (y, stats, plan): stats is the [4, C] table + partials (None in eval)."""
+    y = torch.empty_like(x)  # x is dense, so y gets exactly its layout
     if x.numel() == 0:
         return y, None, None
-    stride_n, stride_c, stride_s = _strides_nsc(x)
-    geometry = _geometry(x, stride_c)
-    affine = weight is not None
-    acc_dtype = _acc_dtype(x)
-    acc_fp64 = acc_dtype == torch.float64
+    device = x.device
+    plan = _plan_of(spec, x, weight, bias, residual, running_mean, running_var)
+    res = residual if residual is not None else x
+    normalise = plan.normalise
     if spec.use_batch_stats:
-        partial_mean = torch.empty((geometry.chunks, geometry.channels), dtype=acc_dtype, device=x.device)
-        partial_m2 = torch.empty_like(partial_mean)
-        launch(
-            kernels._bn_stats_partial_kernel,
-            (geometry.channel_blocks, geometry.chunks),
-            (x, partial_mean, partial_m2, geometry.rows, geometry.channels, geometry.spatial,
-             stride_n, stride_c, stride_s, geometry.rows_per_chunk),
-            dict(
-                BLOCK_R=geometry.block_r, BLOCK_C=geometry.block_c, INDEX_64=geometry.index_64, ACC_FP64=acc_fp64,
-                num_warps=NUM_WARPS,
-            ),
-            x.device,
+        buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=device)
+        plan.stats((x, buf, *plan.stats.ints), device)
+        update = spec.update_running
+        plan.final(
+            (buf, running_mean if update else buf, running_var if update else buf,
+             weight if weight is not None else buf, bias if bias is not None else buf,
+             *plan.final.ints, spec.eps, spec.momentum),
+            device,
         )
-        mean = torch.empty(geometry.channels, dtype=acc_dtype, device=x.device)
-        invstd = torch.empty_like(mean)
-        final_block = min(_next_power_of_2(geometry.channels), 256)
-        launch(
-            kernels._bn_stats_final_kernel,
-            (-(-geometry.channels // final_block),),
-            (partial_mean, partial_m2, mean, invstd,
-             running_mean if spec.update_running else mean, running_var if spec.update_running else invstd,
-             geometry.rows, geometry.channels, geometry.rows_per_chunk, geometry.chunks, spec.eps, spec.momentum),
-            dict(UPDATE_RUNNING=spec.update_running, BLOCK_C=final_block, ACC_FP64=acc_fp64, num_warps=NUM_WARPS),
-            x.device,
-        )
-        stats = (mean, invstd)
-    else:
-        mean = invstd = None
-        stats = (running_mean, running_var)
-    res_strides = _strides_nsc(residual) if residual is not None else (0, 0, 0)
-    launch(
-        kernels._bn_act_fwd_kernel,
-        (geometry.tiles,),
-        (x, residual if residual is not None else x, y, stats[0], stats[1],
-         weight if affine else x, bias if affine else x,
-         geometry.rows, geometry.channels, geometry.spatial, stride_n, stride_c, stride_s, *res_strides,
-         spec.eps, spec.negative_slope),
-        dict(
-            HAS_RESIDUAL=residual is not None, FROM_RUNNING=not spec.use_batch_stats, AFFINE=affine,
-            ACT=ACTIVATIONS[spec.act], EMULATE_BF16_RTNE=x.dtype == torch.bfloat16 and interpreter_active(),
-            INDEX_64=geometry.index_64, BLOCK_R=geometry.block_r, BLOCK_C=geometry.block_c, ACC_FP64=acc_fp64,
-            num_warps=NUM_WARPS,
-        ),
-        x.device,
+        normalise((x, res, y, buf, buf, buf, buf, *normalise.ints, spec.eps, spec.negative_slope), device)
+        return y, buf, plan
+    normalise(
+        (x, res, y, running_mean, running_var, weight if weight is not None else running_mean,
+         bias if bias is not None else running_mean, *normalise.ints, spec.eps, spec.negative_slope),
+        device,
     )
-    return y, mean, invstd
+    return y, None, plan
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Statistics and reductions: float32, or float64 for float64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bias, needs, dres_dtype) -> _BackwardPlan:
+    need_x, need_weight, need_bias, need_res = needs
+    acc = _acc_dtype(x.dtype)
+    eval_mode = not spec.use_batch_stats
+    affine = weight is not None
+    flags = dict(
+        HAS_RESIDUAL=residual is not None, FROM_OUTPUT=spec.from_output, ACT=ACTIVATIONS[spec.act],
+        EMULATE_BF16_RTNE=interpreter_active(), ACC_FP64=acc == torch.float64,
+    )
+    reduce_meta = dict(FROM_RUNNING=eval_mode, AFFINE=affine, WRITE_DX=eval_mode and need_x,
+                       WRITE_DRES=need_res, **flags, **geometry.reduce_meta())
+    placeholder = torch.empty(16, dtype=acc, device=x.device)
+    dx_like = x if need_x else placeholder
+    dres_like = torch.empty(16, dtype=dres_dtype, device=x.device) if need_res else placeholder
+    resident = _resident(
+        kernels._bn_act_bwd_reduce_kernel,
+        (dy, src if src is not None else x, x, stats_table, stats_table,
+         weight if affine else stats_table, bias if affine else stats_table, placeholder, dx_like, dres_like,
+         geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1, spec.eps, spec.negative_slope),
+        reduce_meta, x.device,
+    )
+    chunks, rows_per_chunk = geometry.chunks(resident)
+    reduce = _Launch(
+        kernels._bn_act_bwd_reduce_kernel, (geometry.groups, chunks),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk), reduce_meta,
+    )
+    needs_pass_2 = not eval_mode and need_x
+    # The dx pass reads dy' back from d(residual) (one tensor instead of dy and
+    # y or the residual) when the first pass wrote it at x's precision or better.
+    from_dz = need_res and (dres_dtype == x.dtype or torch.finfo(dres_dtype).bits >= 32)
+    final = None
+    if need_weight or need_bias or needs_pass_2:
+        block_k, block_c = _final_blocks(geometry.channels, chunks)
+        final = _Launch(
+            kernels._bn_bwd_final_kernel, (-(-geometry.channels // block_c),),
+            (geometry.channels, chunks, geometry.n_rows * geometry.ss),
+            dict(WRITE_DWEIGHT=need_weight, WRITE_DBIAS=need_bias, WRITE_COEF=needs_pass_2, BLOCK_K=block_k,
+                 BLOCK_C=block_c, ACC_FP64=acc == torch.float64, num_warps=NUM_WARPS),
+        )
+    dx = None
+    if needs_pass_2:
+        dx = _Launch(
+            kernels._bn_act_bwd_dx_kernel, geometry.ew_grid,
+            (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
+            dict(WRITE_DX=True, WRITE_DRES=False, FROM_DZ=from_dz, **flags, **geometry.elementwise_meta()),
+        )
+    return _BackwardPlan(acc, (5 + 2 * chunks) * geometry.channels, reduce, final, dx, from_dz)
 
 
 class _BatchNormActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, x, weight, bias, residual, running_mean, running_var):  # type: ignore[override]
-        y, mean, invstd = _forward(spec, x, weight, bias, residual, running_mean, running_var)
+        y, stats, plan = _forward(spec, x, weight, bias, residual, running_mean, running_var)
         ctx.spec = spec
+        ctx.plan = plan
         ctx.has_residual = residual is not None
         ctx.residual_dtype = residual.dtype if residual is not None else None
-        if not spec.use_batch_stats:
-            mean, invstd = running_mean, running_var
         src = y if spec.from_output else residual
-        ctx.save_for_backward(x, weight, bias, src, mean, invstd)
+        if spec.use_batch_stats:
+            # The [4, C] statistics table (+ the forward's partials) is an
+            # intermediate of this op: kept on ctx, not among the saved tensors.
+            ctx.stats = stats
+            ctx.save_for_backward(x, weight, bias, src)
+        else:
+            ctx.stats = None
+            ctx.save_for_backward(x, weight, bias, src, running_mean, running_var)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         spec = ctx.spec
-        x, weight, bias, src, mean, invstd = ctx.saved_tensors
-        need_x, need_weight, need_bias, need_res = ctx.needs_input_grad[1:5]
+        x, weight, bias, src, *running = ctx.saved_tensors
+        need_x, need_weight, need_bias, need_res = needs = ctx.needs_input_grad[1:5]
         dx = torch.empty_like(x) if need_x else None
         dres = torch.empty_like(x, dtype=ctx.residual_dtype) if need_res else None
         dweight = torch.empty_like(weight) if need_weight else None
         dbias = torch.empty_like(bias) if need_bias else None
         if x.numel() == 0:
             return (None, dx, dweight.zero_() if need_weight else None, dbias.zero_() if need_bias else None, dres, None, None)
-        stride_n, stride_c, stride_s = _strides_nsc(x)
-        dy_strides = _strides_nsc(dy)
-        if dy_strides is None:
-            dy = dy.contiguous()
-            dy_strides = _strides_nsc(dy)
-        geometry = _geometry(x, stride_c)
-        affine = weight is not None
-        residual = src if (ctx.has_residual and not spec.from_output) else None
-        res_strides = _strides_nsc(residual) if residual is not None else (0, 0, 0)
-        acc_dtype = _acc_dtype(x)
-        sums = torch.empty((2, geometry.chunks, geometry.channels), dtype=acc_dtype, device=x.device)
-        flags = dict(
-            ACC_FP64=acc_dtype == torch.float64,
-            HAS_RESIDUAL=residual is not None, FROM_OUTPUT=spec.from_output, AFFINE=affine, ACT=ACTIVATIONS[spec.act],
-            EMULATE_BF16_RTNE=interpreter_active(), INDEX_64=geometry.index_64,
-            BLOCK_R=geometry.block_r, BLOCK_C=geometry.block_c, num_warps=NUM_WARPS,
-        )
-        placeholder = x
-        common = (
-            dy, src if src is not None else placeholder, x, residual if residual is not None else placeholder,
-            mean, invstd, weight if affine else placeholder, bias if affine else placeholder,
-        )
-        eval_mode = not spec.use_batch_stats
-        launch(
-            kernels._bn_act_bwd_reduce_kernel,
-            (geometry.channel_blocks, geometry.chunks),
-            (*common, sums[0], sums[1], dx if dx is not None else placeholder, dres if dres is not None else placeholder,
-             geometry.rows, geometry.channels, geometry.spatial, stride_n, stride_c, stride_s, *res_strides, *dy_strides,
-             geometry.rows_per_chunk, spec.eps, spec.negative_slope),
-            dict(FROM_RUNNING=eval_mode, WRITE_DX=eval_mode and need_x, WRITE_DRES=eval_mode and need_res, **flags),
-            x.device,
-        )
-        needs_pass_2 = not eval_mode and (need_x or need_res)
-        if need_weight or need_bias or needs_pass_2:
-            coef = torch.empty(2 * geometry.channels, dtype=acc_dtype, device=x.device)
-            final_block = min(_next_power_of_2(geometry.channels), 256)
-            launch(
-                kernels._bn_bwd_final_kernel,
-                (-(-geometry.channels // final_block),),
-                (sums[0], sums[1], dweight if need_weight else coef, dbias if need_bias else coef, coef,
-                 geometry.rows, geometry.channels, geometry.chunks),
-                dict(
-                    WRITE_DWEIGHT=need_weight, WRITE_DBIAS=need_bias, BLOCK_C=final_block,
-                    ACC_FP64=acc_dtype == torch.float64, num_warps=NUM_WARPS,
-                ),
-                x.device,
+        if dy.stride() != x.stride():
+            dy = _in_layout_of(dy, x)
+        device = x.device
+        bwd_key = (needs, dy.dtype)
+        plan = ctx.plan.backward.get(bwd_key)
+        if plan is None:
+            residual = src if (ctx.has_residual and not spec.from_output) else None
+            table = ctx.stats if spec.use_batch_stats else running[0]
+            plan = ctx.plan.backward[bwd_key] = _backward_plan(
+                spec, ctx.plan.geometry, x, dy, src, residual, table, weight, bias, needs, ctx.residual_dtype
             )
-        if needs_pass_2:
-            launch(
-                kernels._bn_act_bwd_dx_kernel,
-                (geometry.tiles,),
-                (*common, coef, dx if dx is not None else placeholder, dres if dres is not None else placeholder,
-                 geometry.rows, geometry.channels, geometry.spatial, stride_n, stride_c, stride_s, *res_strides, *dy_strides,
-                 spec.eps, spec.negative_slope),
-                dict(WRITE_DX=need_x, WRITE_DRES=need_res, **flags),
-                x.device,
+        buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=device)
+        placeholder = buf
+        src_arg = src if src is not None else placeholder
+        if spec.use_batch_stats:
+            table = var = ctx.stats
+        else:
+            table, var = running
+        plan.reduce(
+            (dy, src_arg, x, table, var, weight if weight is not None else table, bias if bias is not None else table,
+             buf, dx if dx is not None else placeholder, dres if dres is not None else placeholder,
+             *plan.reduce.ints, spec.eps, spec.negative_slope),
+            device,
+        )
+        if plan.final is not None:
+            plan.final(
+                (buf, table, dweight if need_weight else placeholder, dbias if need_bias else placeholder,
+                 *plan.final.ints),
+                device,
+            )
+        if plan.dx is not None:
+            plan.dx(
+                (dy, dres if plan.from_dz else src_arg, x, buf, dx, placeholder, *plan.dx.ints, spec.negative_slope),
+                device,
             )
         return None, dx, dweight, dbias, dres, None, None
