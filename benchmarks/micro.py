@@ -10,7 +10,7 @@ time of the same computation. Batch norm and the optimizers are broken down per 
 
 Run from the repository root::
 
-    python -m benchmarks.micro                         # GPU: every family but host, 2-4 minutes
+    python -m benchmarks.micro                         # GPU: every family, 2-4 minutes
     python -m benchmarks.micro --only host,clip        # some families
     python -m benchmarks.micro --dry                   # CPU: tiny shapes, PyTorch path; checks the script
     python -m benchmarks.micro --render micro.json --out benchmarks/results/micro-h100.md
@@ -442,7 +442,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (PyTorch path): checks the script")
     parser.add_argument("--only", default="", help=f"comma-separated families of {', '.join(FAMILIES)} "
-                        "(default: all but host)")
+                        "(default: all)")
     parser.add_argument("--no-profile", action="store_true", help="skip torch.profiler (needed under ncu)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the results (default: $OUT/micro.json)")
     parser.add_argument("--render", type=Path, default=None, help="print/write the markdown table of a micro.json")
@@ -474,7 +474,7 @@ def main(argv: Iterable[str] | None = None) -> int:
                 date=time.strftime("%Y-%m-%d"),
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: PyTorch path, tiny shapes)")
     print(json.dumps(head), flush=True)
-    chosen = [f for f in args.only.split(",") if f] or [f for f in FAMILIES if f != "host"]
+    chosen = [f for f in args.only.split(",") if f] or list(FAMILIES)
     unknown = sorted(set(chosen) - set(FAMILIES))
     if unknown:
         print(f"benchmarks.micro: unknown families {unknown}; choose from {list(FAMILIES)}", file=sys.stderr)

@@ -1,75 +1,49 @@
-"""Compiles tfuse's kernels for an H100/H200 (sm_90) without a GPU.
+"""Compiles tfuse's kernels for an H100/H200 (sm_90) without a GPU, and reads the static roofline.
 
 Run as a script with the interpreter OFF (it needs compiled JIT functions):
-``python tests/sm90_compile.py [CASE ...]``. Each case runs real tfuse calls
-on CPU tensors with the launches captured instead of executed, then compiles
-every captured launch exactly as Triton would specialise it, to PTX and cubin
-with Triton's bundled ptxas. It prints one JSON line per launch with the
-vector widths of the global loads and stores in the PTX, so a test can check
-that contiguous operands use 128-bit accesses. This proves the kernels
-compile for the GPU with the installed Triton; it says nothing about speed.
+``python tests/sm90_compile.py [CASE ...]``. Two sets of cases share one
+compiler, which compiles each specialisation once (benchmarks/roofline.py):
+
+* compile cases (``CASES`` below): small calls covering every kernel,
+  dtype, activation and addressing mode, on CPU tensors, so each kernel is
+  proven to compile for sm_90 with the installed Triton;
+* roofline cases (``benchmarks.roofline.cases()``): realistic shapes
+  (ResNet-50 batch norm, 1e8 adds, 16384^2 add_act, optimizer steps over
+  ResNet-50 and GPT-2 small, clip_grad_norm_) on meta tensors.
+
+Launches are captured instead of run and compiled exactly as Triton would
+specialise them, to PTX and cubin with Triton's bundled ptxas. One JSON line
+per launch (``kind``: ``compile`` or ``launch``) gives registers, spills,
+global access widths per pointer argument, barriers, grid and occupancy; one
+per op phase (``phase``) the bytes moved against the minimum; then
+``sass_check`` lines (the cubin decoder against nvdisasm) and a ``summary``.
+This says nothing about speed; it shows regressions without a GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a Triton 3.9 notice
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives at the repository root
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import tfuse  # noqa: E402
-import tfuse.ops.add as add_op  # noqa: E402
-import tfuse.ops.add_act as add_act_op  # noqa: E402
-import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
-import tfuse.optim.clip as clip_op  # noqa: E402
-import tfuse.optim._flat_optimizer as flat_optimizer  # noqa: E402
-import tfuse.optim.adam as adam_op  # noqa: E402
-import tfuse.optim.sgd as sgd_op  # noqa: E402
-from tfuse._backend import Backend  # noqa: E402
-from tfuse._launch import kernel_name  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)
+from benchmarks import roofline  # noqa: E402
+from benchmarks.roofline import captured_launches  # noqa: E402,F401  (kept importable from here)
 
 
 def compile_for_sm90(kernel, args: tuple, meta: dict) -> str:
     """PTX of ``kernel`` specialised for ``args``/``meta`` as a launch would specialise it."""
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **meta)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    return compiled.asm["ptx"]
-
-
-@contextlib.contextmanager
-def captured_launches() -> Iterator[list]:
-    """Runs tfuse ops on CPU tensors as if on a GPU: the Triton path, launches recorded, not run."""
-    launches: list = []
-
-    def capture(kernel, grid, args, meta, device):
-        launches.append((kernel, args, meta))
-
-    saved = {}
-    for module in (add_op, add_act_op, batch_norm_op, clip_op, adam_op, sgd_op, flat_optimizer):
-        saved[module] = {name: getattr(module, name) for name in ("launch", "select_backend") if hasattr(module, name)}
-        for name in saved[module]:
-            setattr(module, name, capture if name == "launch" else (lambda device, op: Backend.TRITON))
-    try:
-        yield launches
-    finally:
-        for module, originals in saved.items():
-            for name, value in originals.items():
-                setattr(module, name, value)
+    compiled, _ = roofline.default_compiler().compile(kernel, args, meta)
+    return compiled.ptx
 
 
 def add_case(shapes, dtype, channels_last=False) -> Callable[[], None]:
@@ -163,29 +137,51 @@ CASES = {
     "sgd_plain_bf16_master": optim_case(tfuse.optim.FusedSGD, torch.bfloat16, lr=0.1, master_weights=True),
 }
 
+vector_widths = roofline.vector_widths
 
-def vector_widths(ptx: str, op: str) -> list[int]:
-    """Vector widths (1 for scalar) of the ``ld.global``/``st.global`` instructions in ``ptx``."""
-    widths = []
-    for match in re.finditer(rf"\b{op}\.global(?:\.[a-z0-9_:]+)*?(?:\.v(\d))?\.(?:b|f|u|s)\d+", ptx):
-        widths.append(int(match.group(1) or 1))
-    return widths
+#: Kernels whose SASS decoding is checked against nvdisasm (one loop-free, one with a loop and barriers).
+SASS_CHECKED = (("add3_1e8_fp32", "_add_fwd_kernel"), ("bn_64x112x112_nchw_bf16", "_bn_stats_partial_kernel"))
 
 
 def main(names: list[str]) -> None:
-    names = names or list(CASES)
-    print(json.dumps({"planned": names}))
-    for name in names:
-        with captured_launches() as launches:
+    start = time.perf_counter()
+    realistic = roofline.cases()
+    compile_names = [n for n in names if n in CASES] if names else list(CASES)
+    roofline_cases = [c for c in realistic if c.name in names] if names else realistic
+    unknown = set(names) - set(CASES) - {c.name for c in realistic}
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}")
+    print(json.dumps({"kind": "planned", "compile": compile_names, "roofline": [c.name for c in roofline_cases]}))
+    compiler = roofline.Compiler()
+    compile_launches = []
+    for name in compile_names:
+        with captured_launches(compiler=compiler) as capture:
             CASES[name]()
-        for kernel, args, meta in launches:
-            ptx = compile_for_sm90(kernel, args, meta)
-            print(json.dumps({
-                "case": name,
-                "kernel": kernel_name(kernel),
-                "loads": sorted(set(vector_widths(ptx, "ld"))),
-                "stores": sorted(set(vector_widths(ptx, "st"))),
-            }))
+        compile_launches += [(name, launch) for launch in capture.launches]
+    captured = roofline.capture_cases(roofline_cases, compiler=compiler)
+    # Every distinct specialisation compiles once, in parallel processes, before any record is read.
+    compiler.prefetch([launch for _, launch in compile_launches] + [l for _, ls in captured for l in ls])
+    for name, launch in compile_launches:
+        print(json.dumps(dict(roofline.launch_record(compiler, launch, name), kind="compile")))
+    records, phases = roofline.run_cases(roofline_cases, compiler, captured=captured)
+    for record in records:
+        print(json.dumps(dict(record, kind="launch")))
+    for phase in phases:
+        print(json.dumps(dict(phase, kind="phase")))
+    launches = len(compile_launches) + len(records)
+    checked = {(r["case"], r["kernel"]): r["key"] for r in records}
+    by_key = {c.short_key: c for c in compiler.cache.values()}
+    for case, kernel in SASS_CHECKED:
+        if (case, kernel) in checked:
+            compiled = by_key[checked[case, kernel]]
+            print(json.dumps(dict(kind="sass_check", case=case, kernel=kernel,
+                                  decoded=roofline.sass_counts(compiled.cubin, kernel),
+                                  nvdisasm=roofline.nvdisasm_counts(compiled.cubin, kernel))))
+    print(json.dumps(dict(
+        kind="summary", triton=roofline.triton.__version__, launches=launches, compiled=len(compiler.cache),
+        builds=compiler.builds, workers=roofline.default_workers(), compile_seconds=round(compiler.compile_seconds, 1),
+        seconds=round(time.perf_counter() - start, 1),
+    )))
 
 
 if __name__ == "__main__":
