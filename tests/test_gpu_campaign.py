@@ -63,15 +63,18 @@ def test_call2_refuses_a_kernel_name_that_no_longer_exists(tmp_path):
     assert "not in tfuse.kernels: ['_renamed_kernel']" in (tmp_path / "ncu.txt").read_text()
 
 
-def test_the_micro_table_flags_a_failed_check():
-    from benchmarks.micro import render_markdown
-
+def test_the_micro_table_flags_a_failed_check(tmp_path):
     data = dict(head=dict(device="GPU X", torch="2.11", triton="3.6", python="3.12", date="2026-11-22"), copy_gbps=3000.0,
                 results=[dict(family="add", case="a+b", ms=0.5, gbps=3000.0, pct_copy=100.0, rel_err=0.5, ok=False,
                               eager_ms=1.0),
                          dict(family="host", case="tfuse.add", ms=0.1, us_per_call=100.0),
                          dict(family="clip", error="Traceback...\nRuntimeError: boom")])
-    table = render_markdown(data)
+    source, table_path = tmp_path / "micro.json", tmp_path / "micro.md"
+    source.write_text(json.dumps(data))
+    result = subprocess.run([sys.executable, "-m", "benchmarks.micro", "--render", str(source), "--out", str(table_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = table_path.read_text()
     assert "| add | a+b | 0.5000 | 3000 | 100% | 1.0000 | 2.00x | - | 5.00e-01 | **NO** |" in table
     assert "| host | tfuse.add | - | - | - | - | - | 0.100 | - | - |" in table
     assert "ERROR: RuntimeError: boom" in table
