@@ -4,9 +4,29 @@ One kernel body serves every activation: ``_act(z, ACT, slope)`` gives the
 value, ``_act_grad(z, ACT, slope)`` the derivative from the pre-activation,
 ``_act_grad_from_output(y, ACT, slope)`` the derivative from the output for
 the activations where that is possible (identity, relu, leaky_relu with a
-non-negative slope, sigmoid, tanh). Formulas follow torch.nn.functional.
-Inputs are float32 (or float64) tiles. (Module constants are tl.constexpr,
-which kernels may read; keep them right of a tensor in products.)
+non-negative slope, sigmoid, tanh). Backward passes use ``_act_backward``,
+``_activation_backward`` and ``_act_backward_from_output``, which give
+``dy * act'`` with torch's semantics (see below). Formulas follow
+torch.nn.functional. Inputs are float32 (or float64) tiles. (Module
+constants are tl.constexpr, which kernels may read; keep them right of a
+tensor in products.)
+
+Special values, as torch (every math mode: the choices below are selects
+and comparisons, the same in the PORTABLE and GPU formulas):
+
+* NaN in, NaN out, forward and backward, except where torch's backward
+  selects rather than multiplies: relu's backward is torch's
+  threshold_backward, ``0 where z <= 0, else dy`` (so dy passes where z is
+  NaN, and a NaN or infinite dy gives 0 where z < 0); leaky_relu's is
+  ``dy * slope`` where z is NaN.
+* +-0: the sign of a zero result is torch's (relu(-0) = -0, tanh(-0) = -0).
+* +-inf: where the derivative is ``z * 0`` in the limit (gelu, gelu_tanh and
+  silu at +-inf) it is NaN, as in torch; values at +-inf are torch's
+  (gelu(-inf), silu(-inf), gelu_tanh(-inf) are NaN there too).
+* Huge finite z: the value and derivative torch gives in float64. torch's
+  float32 CPU formulas overflow in a few places where these do not: gelu
+  past |z| = 1.7e38 (inf instead of z), gelu(+inf) in its vectorised loop
+  (NaN), gelu_tanh's derivative past |z| = 1e13 (NaN instead of 1 or 0).
 
 Math modes. ``_activation``/``_activation_grad`` take a MATH constexpr that
 the launcher sets (``_act``/``_act_grad`` are the PORTABLE mode):
@@ -50,6 +70,7 @@ _GELU_TANH_K0 = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): a = 2u = z (K0
 _GELU_TANH_K1 = tl.constexpr(0.07135481627159177)  # 2 sqrt(2/pi) 0.044715
 _GELU_TANH_K1x3 = tl.constexpr(0.2140644488147753)  # da/dz = K0 + 3 K1 z^2
 _EXP_ARG_MAX = tl.constexpr(80.0)  # exp(80) is finite in float32, and 1 / (1 + exp(80)) still normal
+_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
@@ -72,7 +93,7 @@ def _tanh(x):
     the interpreter, and one formula on both keeps the tests meaningful.)"""
     t = _expm1(-2.0 * tl.abs(x))
     magnitude = -t / (t + 2.0)
-    return tl.where(x < 0, -magnitude, magnitude)
+    return tl.where(x > 0, magnitude, tl.where(x < 0, -magnitude, x))  # x itself at +-0 (its sign) and NaN
 
 
 @triton.jit
@@ -152,7 +173,7 @@ def _activation_grad(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
     if ACT == IDENTITY:
         d = tl.full(z.shape, 1.0, z.dtype)
     elif ACT == RELU:
-        d = tl.where(z > 0, 1.0, 0.0).to(z.dtype)
+        d = tl.where(z <= 0, 0.0, 1.0).to(z.dtype)  # 1 at NaN: torch passes the gradient through there
     elif ACT == LEAKY_RELU:
         d = tl.where(z > 0, 1.0, negative_slope).to(z.dtype)
     elif ACT == GELU:
@@ -162,10 +183,11 @@ def _activation_grad(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
     elif ACT == GELU_TANH:
         # d/dz z sigmoid(a) = s + z a' s (1 - s), with 1 - s = e s; 0 below a = -80 (under 1e-32 there).
         # Past |z| = 10 either s = 0 (below) or e s < 2e-35 (above): z is clamped there so that
-        # z a' stays finite for any finite z (NaN still propagates through s).
+        # z a' stays finite for any finite z (NaN still propagates through s); +-inf is kept,
+        # so that the derivative there is inf * 0 = NaN, as torch's (and as gelu's and silu's).
         a, z2, e, s = _gelu_tanh_parts(z, MATH)
         s = tl.where(a < -_EXP_ARG_MAX, 0.0, s)
-        zc = tl.minimum(tl.maximum(z, -10.0), 10.0)
+        zc = tl.where(tl.abs(z) == _INF, z, tl.minimum(tl.maximum(z, -10.0), 10.0))
         d = s * (1.0 + zc * (_GELU_TANH_K0 + zc * zc * _GELU_TANH_K1x3) * (e * s))
     elif ACT == SILU:
         s = _sigmoid_m(z, MATH)
@@ -197,7 +219,7 @@ def _act_grad_from_output(y, ACT: tl.constexpr, negative_slope):
     if ACT == IDENTITY:
         d = tl.full(y.shape, 1.0, y.dtype)
     elif ACT == RELU:
-        d = tl.where(y > 0, 1.0, 0.0).to(y.dtype)
+        d = tl.where(y <= 0, 0.0, 1.0).to(y.dtype)  # 1 at NaN: torch passes the gradient through there
     elif ACT == LEAKY_RELU:
         d = tl.where(y > 0, 1.0, negative_slope).to(y.dtype)
     elif ACT == SIGMOID:
@@ -206,3 +228,29 @@ def _act_grad_from_output(y, ACT: tl.constexpr, negative_slope):
         tl.static_assert(ACT == TANH, "this activation's derivative needs its input, not its output")
         d = 1.0 - y * y
     return d
+
+
+@triton.jit
+def _activation_backward(dy, z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
+    """dy * act'(z) as torch computes it: relu selects (0 where z <= 0 whatever dy), the others multiply."""
+    if ACT == RELU:
+        dz = tl.where(z <= 0, 0.0, dy)
+    else:
+        dz = dy * _activation_grad(z, ACT, negative_slope, MATH)
+    return dz
+
+
+@triton.jit
+def _act_backward(dy, z, ACT: tl.constexpr, negative_slope):
+    """dy * act'(z) (PORTABLE math), as :func:`_activation_backward`."""
+    return _activation_backward(dy, z, ACT, negative_slope, PORTABLE)
+
+
+@triton.jit
+def _act_backward_from_output(dy, y, ACT: tl.constexpr, negative_slope):
+    """dy * act'(.) from the output ``y``, as torch: relu selects (threshold_backward), the others multiply."""
+    if ACT == RELU:
+        dz = tl.where(y <= 0, 0.0, dy)
+    else:
+        dz = dy * _act_grad_from_output(y, ACT, negative_slope)
+    return dz

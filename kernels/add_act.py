@@ -44,7 +44,7 @@ activation formulas (activations.py).
 import triton
 import triton.language as tl
 
-from .activations import _act_grad_from_output, _activation, _activation_grad
+from .activations import _act_backward_from_output, _activation, _activation_backward
 from .cast import _cast_to
 from .tiles import (
     COL,
@@ -210,13 +210,13 @@ def _bwd_step(
             src_ptrs[0], src_strides[0], SRC_MODES[0], rows, cols, offsets, row_mask, col_mask, mask,
             outer_sizes, OUTER_RANK, acc_dtype, col_divs, COL_RANK, INDEX_64, MASKED,
         )
-        dz = dy * _act_grad_from_output(y, ACT, negative_slope)
+        dz = _act_backward_from_output(dy, y, ACT, negative_slope)
     else:
         z = z_col + _sum_operands(
             src_ptrs, src_strides, SRC_MODES, N_SRC, rows, cols, offsets, row_mask, col_mask, mask,
             outer_sizes, OUTER_RANK, acc_dtype, col_divs, COL_RANK, INDEX_64, MASKED, COL_RANK > 1,
         )
-        dz = dy * _activation_grad(z, ACT, negative_slope, MATH)
+        dz = _activation_backward(dy, z, ACT, negative_slope, MATH)
 
     # One block per slot, unrolled: a Triton loop cannot carry a list of
     # accumulators, and four named ones cover x plus three others.

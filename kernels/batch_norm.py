@@ -44,7 +44,7 @@ In eval the first pass writes dx and d(residual) itself.
 import triton
 import triton.language as tl
 
-from .activations import _act, _act_grad, _act_grad_from_output
+from .activations import _act, _act_backward, _act_backward_from_output
 from .cast import _cast_to
 
 # How a reduction program turns its per-lane sums into per-channel sums.
@@ -331,12 +331,12 @@ def _bn_act_grad_out(
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
     if FROM_OUTPUT:
         y = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(acc)
-        dz = dy * _act_grad_from_output(y, ACT, negative_slope)
+        dz = _act_backward_from_output(dy, y, ACT, negative_slope)
     else:
         z = xc * scale[None, :] + bias[None, :]
         if HAS_RESIDUAL:
             z += tl.load(src_ptr + offsets, mask=mask, other=0.0).to(acc)
-        dz = dy * _act_grad(z, ACT, negative_slope)
+        dz = _act_backward(dy, z, ACT, negative_slope)
     return tl.where(mask, dz, 0.0), xc
 
 

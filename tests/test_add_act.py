@@ -42,6 +42,11 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(add_act_op, "_empty_grad", lambda *a, **k: empty_grad(*a, **k).fill_(float("nan")))
 
 
+def slope_kwargs(act: str, slope: float) -> dict:
+    """``negative_slope`` for leaky_relu; nothing for the others (a slope there is an error)."""
+    return {"negative_slope": slope} if act == "leaky_relu" else {}
+
+
 def make_operands(pattern: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     x_shape, other_shapes, layout = PATTERNS[pattern]
     return [make_input(x_shape, dtype, device, layout)] + [make_input(s, dtype, device) for s in other_shapes]
@@ -110,7 +115,7 @@ def test_values_and_gradients_match_torch(act, pattern, dtype, backend, device):
     inputs = [t.requires_grad_() for t in make_operands(pattern, dtype, device)]
     with tfuse.use_backend(backend):
         with tfuse.count_launches() as forward:
-            y = tfuse.add_act(*inputs, act=act, negative_slope=0.2)
+            y = tfuse.add_act(*inputs, act=act, **slope_kwargs(act, 0.2))
         grad = torch.randn_like(y)
         with tfuse.count_launches() as backward:
             grads = torch.autograd.grad(y, inputs, grad)
@@ -135,7 +140,7 @@ def test_gradcheck_float64(act, backend, device):
     scale = make_input((5, 1), torch.float64, device).requires_grad_()
 
     def fn(x, bias, scale):
-        return tfuse.add_act(x, bias, scale, act=act, negative_slope=0.3)
+        return tfuse.add_act(x, bias, scale, act=act, **slope_kwargs(act, 0.3))
 
     with tfuse.use_backend(backend):
         assert torch.autograd.gradcheck(fn, (x, bias, scale))
@@ -160,7 +165,7 @@ def test_saves_only_what_the_derivative_needs(act, slope, saves, device):
     bias = make_input((16,), torch.float32, device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = tfuse.add_act(x, bias, act=act, negative_slope=slope)
+        y = tfuse.add_act(x, bias, act=act, **slope_kwargs(act, slope))
     storages = {t.untyped_storage().data_ptr() for t in saved}
     expected = {
         "output": {y.untyped_storage().data_ptr()},
@@ -454,7 +459,7 @@ def test_inplace_writes_into_x_with_the_same_values_and_gradients(act, backend, 
     leaf = base.clone().requires_grad_()
     x = leaf * 1.0  # not a leaf: in-place is allowed, as for torch's relu_
     with tfuse.use_backend(backend):
-        y = tfuse.add_act(x, bias, act=act, negative_slope=0.2, inplace=True)
+        y = tfuse.add_act(x, bias, act=act, inplace=True, **slope_kwargs(act, 0.2))
     assert y.data_ptr() == x.data_ptr()
     grad = torch.randn_like(y)
     y.backward(grad)

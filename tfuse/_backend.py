@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import logging
 import os
 from collections.abc import Iterator
 
@@ -121,3 +122,39 @@ def select_backend(device: torch.device, op: str) -> Backend:
             "it supports CUDA tensors, and CPU tensors under TRITON_INTERPRET=1"
         )
     return Backend.TORCH
+
+
+#: (op, backend) pairs already announced by :func:`log_backend_once`.
+_announced: set[tuple[str, Backend]] = set()
+
+
+def log_backend_once(logger: logging.Logger, op: str, backend: Backend, device: torch.device) -> None:
+    """Logs at INFO, the first time ``op`` runs on ``backend``, which implementation serves it and why.
+
+    For example ``tfuse.add_act: PyTorch path (CPU without TRITON_INTERPRET=1;
+    device cpu)`` or ``tfuse.add: Triton kernels (CUDA; device cuda:0)``,
+    through the op module's logger (``tfuse.ops.add_act``, ...). Ops call
+    this right after :func:`select_backend`; later calls cost one set lookup.
+    """
+    key = (op, backend)
+    if key in _announced:
+        return
+    _announced.add(key)
+    logger.info("tfuse.%s: %s", op, _why(backend, device))
+
+
+def _why(backend: Backend, device: torch.device) -> str:
+    forced = requested_backend()
+    if forced is not None:
+        source = "use_backend" if _override.get() is not None else BACKEND_ENV_VAR
+        reason = f"forced by {source}={forced.value!r}"
+    elif backend is Backend.TRITON and device.type == "cuda":
+        reason = "CUDA"
+    elif backend is Backend.TRITON:
+        reason = f"{device.type.upper()} through Triton's interpreter, TRITON_INTERPRET=1"
+    elif device.type == "cpu":
+        reason = "CPU without TRITON_INTERPRET=1"
+    else:
+        reason = f"no Triton kernels for device {device.type}"
+    kind = "Triton kernels" if backend is Backend.TRITON else "PyTorch path"
+    return f"{kind} ({reason}; device {device})"

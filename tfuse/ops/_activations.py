@@ -48,11 +48,22 @@ def math_mode(out_dtype: torch.dtype, interpreted: bool) -> int:
     return MATH_GPU_TANH_APPROX if out_dtype in _TANH_APPROX_DTYPES else MATH_GPU
 
 
-def check_activation(op: str, act: object, negative_slope: object) -> tuple[str, float]:
-    """Validates ``act`` and ``negative_slope``; returns them normalised.
+#: The slope of leaky_relu when none is given (torch's default).
+DEFAULT_NEGATIVE_SLOPE = 0.01
+
+
+def check_activation(op: str, act: object, negative_slope: object = None, *, strict: bool = False) -> tuple[str, float]:
+    """Validates ``act`` and ``negative_slope``; returns them normalised (the slope as a float).
+
+    ``negative_slope`` applies to leaky_relu only: None means the default
+    (0.01). With any other activation a slope has no effect, which is an
+    error rather than an argument silently ignored: with ``strict`` (the
+    functional ops) any slope given is, otherwise (callers that hold the
+    default slope whatever the activation) any slope but the default.
 
     Raises:
-        ValueError: an unknown activation name, or a non-finite slope.
+        ValueError: an unknown activation name, a non-finite slope, or a
+            slope given with an activation other than leaky_relu.
         TypeError: a non-string ``act`` or a non-number ``negative_slope``.
     """
     if not isinstance(act, str):
@@ -61,11 +72,18 @@ def check_activation(op: str, act: object, negative_slope: object) -> tuple[str,
         raise ValueError(
             f"tfuse.{op}: unknown activation {act!r}; supported: {', '.join(ACTIVATIONS)}"
         )
+    if negative_slope is None:
+        return act, DEFAULT_NEGATIVE_SLOPE
     if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real):
         raise TypeError(f"tfuse.{op}: negative_slope must be a number, got {type(negative_slope).__name__}")
     slope = float(negative_slope)
     if slope != slope or slope in (float("inf"), float("-inf")):
         raise ValueError(f"tfuse.{op}: negative_slope must be finite, got {slope}")
+    if act != "leaky_relu" and (strict or slope != DEFAULT_NEGATIVE_SLOPE):
+        raise ValueError(
+            f"tfuse.{op}: negative_slope={slope} has no effect with act={act!r}; "
+            "it is the slope of act='leaky_relu' only"
+        )
     return act, slope
 
 
@@ -99,7 +117,7 @@ def torch_act_(z: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor
 
 
 def torch_act_backward(dy: torch.Tensor, saved: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """dy * act'(.) with torch's fused backward kernels.
+    """dy * act'(.) with torch's fused backward kernels (differentiable under grad mode, for double backward).
 
     ``saved`` is the output y for the activations of :func:`grad_from_output`
     and the pre-activation z for the others (never called for identity).
@@ -118,5 +136,8 @@ def torch_act_backward(dy: torch.Tensor, saved: torch.Tensor, act: str, negative
     if act == "gelu_tanh":
         return aten.gelu_backward(dy, saved, approximate="tanh")
     if act == "silu":
+        if torch.is_grad_enabled():  # double backward: aten.silu_backward has no derivative (torch's own choice)
+            s = torch.sigmoid(saved)
+            return dy * s * (1 + saved * (1 - s))
         return aten.silu_backward(dy, saved)
     raise ValueError(f"no backward needed for {act}")

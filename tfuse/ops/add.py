@@ -7,12 +7,13 @@ Function (or straight to the forward when no gradient is wanted);
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
 from tfuse._launch import launch
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
 from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
@@ -20,6 +21,8 @@ from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
 #: Most inputs one launch adds (each input is a pointer and a stride tuple of
 #: the kernel; past this, split the sum).
 MAX_INPUTS = 8
+
+_log = logging.getLogger(__name__)
 
 
 def add(*tensors: torch.Tensor) -> torch.Tensor:
@@ -54,6 +57,7 @@ def add(*tensors: torch.Tensor) -> torch.Tensor:
     shape = broadcast_shape("add", [t.shape for t in tensors])
     dtype = promote_float_dtypes(tensors)
     backend = select_backend(device, "add")
+    log_backend_once(_log, "add", backend, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _AddFunction.apply(backend, shape, dtype, *tensors)
     return add_forward(tensors, shape, dtype, backend)
@@ -89,16 +93,23 @@ def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     acc = out if out.dtype == acc_dtype else torch.empty_like(out, dtype=acc_dtype)
     first, second, *rest = tensors
-    if first.dtype == acc_dtype and second.dtype == acc_dtype:
+    if first.dtype == acc_dtype and second.dtype == acc_dtype and _broadcast(first, second) == acc.shape:
         torch.add(first, second, out=acc)
     else:
-        # torch.add(out=...) would round to the inputs' common dtype first.
+        # torch.add(out=...) would round to the inputs' common dtype first, and
+        # would resize ``acc`` when the first two do not span the output's shape.
         acc.copy_(first)
         acc.add_(second)
     for tensor in rest:
         acc.add_(tensor)
     if acc is not out:
         out.copy_(acc)
+
+
+def _broadcast(first: torch.Tensor, second: torch.Tensor) -> torch.Size:
+    if first.shape == second.shape:
+        return first.shape
+    return torch.broadcast_shapes(first.shape, second.shape)
 
 
 def sum_to_input(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +120,12 @@ def sum_to_input(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> t
 
 
 class _AddFunction(torch.autograd.Function):
-    """Autograd for :func:`add`. Saves only the inputs' shapes and dtypes."""
+    """Autograd for :func:`add`. Saves only the inputs' shapes and dtypes.
+
+    Backward is made of differentiable torch ops (a sum over broadcast
+    dimensions and a cast) on both backends, so double backward
+    (``create_graph=True``) works as for torch's add.
+    """
 
     @staticmethod
     def forward(ctx, backend: Backend, shape: torch.Size, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Sequence
 
 import torch
 
 from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
 from tfuse._launch import gpu_sm_count, launch, target_programs
 from tfuse.ops._activations import (
     ACTIVATIONS,
@@ -50,6 +51,8 @@ from tfuse.ops._tiles import (
 from tfuse.ops._tiles import _next_power_of_2
 from tfuse.ops.add import add_forward
 
+_log = logging.getLogger(__name__)
+
 #: Most tensors added to x before the activation.
 MAX_OTHERS = 3
 #: Stage-2 reduction tile: partial rows x gradient elements per step (elements
@@ -72,15 +75,22 @@ _MAX_BWD_BLOCK_COLS = 2 * TILE_ELEMENTS
 
 
 def add_act(
-    x: torch.Tensor, *others: torch.Tensor, act: str = "relu", negative_slope: float = 0.01, inplace: bool = False
+    x: torch.Tensor,
+    *others: torch.Tensor,
+    act: str = "relu",
+    negative_slope: float | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """``act(x + others...)`` in one kernel launch, with a fused backward.
 
     ``others`` are 0 to 3 tensors that broadcast to ``x``'s shape: a bias over
     the last dimension, a per-channel ``[C, 1, 1]`` bias, a same-shape
-    residual. Activations: relu, leaky_relu (``negative_slope``), gelu (erf
-    form), gelu_tanh, silu, sigmoid, tanh, identity; values and gradients match
-    torch.nn.functional. Computation is float32 (float64 for float64) with one
+    residual. Activations: relu, leaky_relu (``negative_slope``, default
+    0.01; an error with any other activation, where it would have no effect),
+    gelu (erf form), gelu_tanh, silu, sigmoid, tanh, identity; values and
+    gradients match torch.nn.functional, NaN and infinities included (see
+    kernels/activations.py for the few inputs where torch's own float32
+    formulas overflow). Computation is float32 (float64 for float64) with one
     rounding to the result dtype, which follows torch's promotion of
     ``x + others``.
 
@@ -88,7 +98,9 @@ def add_act(
     launch, plus one small launch that finishes the float32 reductions of
     broadcast inputs (bias gradients). What it saves: see the module docstring
     (the output for relu/leaky_relu/sigmoid/tanh, the inputs for
-    gelu/gelu_tanh/silu, nothing for identity).
+    gelu/gelu_tanh/silu, nothing for identity). Double backward
+    (``create_graph=True``, e.g. a gradient penalty) is supported on both
+    backends: that backward is computed with differentiable torch ops.
 
     With ``inplace=True`` the result is written into ``x`` (as
     ``F.relu(x, inplace=True)``), which saves allocating the output. It needs
@@ -106,13 +118,14 @@ def add_act(
     Raises:
         TypeError: a non-tensor, non-floating or sparse input; more than 3
             others; a non-string ``act`` or non-number ``negative_slope``.
-        ValueError: an unknown activation name; ``inplace=True`` with an
+        ValueError: an unknown activation name; ``negative_slope`` with an
+            activation other than leaky_relu; ``inplace=True`` with an
             activation that needs its input, or with an ``x`` that cannot hold
             the result.
         RuntimeError: inputs on different devices, or others that do not
             broadcast to ``x``'s shape.
     """
-    act, negative_slope = check_activation("add_act", act, negative_slope)
+    act, negative_slope = check_activation("add_act", act, negative_slope, strict=True)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tfuse.add_act: x must be a torch.Tensor, got {type(x).__name__}")
     if len(others) > MAX_OTHERS:
@@ -132,6 +145,7 @@ def add_act(
     if inplace:
         _check_inplace(act, negative_slope, tensors, dtype)
     backend = select_backend(device, "add_act")
+    log_backend_once(_log, "add_act", backend, device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _AddActFunction.apply(spec, dtype, *tensors)
@@ -147,7 +161,9 @@ def linear_epilogue(product: torch.Tensor, bias: torch.Tensor | None, act: str, 
     small layer's time, and keeps only the backend choice.
     """
     tensors = (product,) if bias is None else (product, bias)
-    spec = _ActSpec(act, negative_slope, select_backend(product.device, "add_act"), inplace)
+    backend = select_backend(product.device, "add_act")
+    log_backend_once(_log, "add_act", backend, product.device)
+    spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _AddActFunction.apply(spec, product.dtype, *tensors)
     return add_act_forward(tensors, product.dtype, spec)
@@ -256,7 +272,7 @@ class _AddActFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         needed = ctx.needs_input_grad[2:]
         saved = ctx.saved_tensors
-        if ctx.spec.backend is Backend.TRITON:
+        if ctx.spec.backend is Backend.TRITON and not torch.is_grad_enabled():
             grads = _backward_triton(ctx, grad_out, saved, needed)
         else:
             grads = _backward_torch(ctx, grad_out, saved, needed)
@@ -264,6 +280,13 @@ class _AddActFunction(torch.autograd.Function):
 
 
 def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], needed: Sequence[bool]) -> list:
+    """The PyTorch path's backward, and every backward under ``create_graph=True``.
+
+    Under ``create_graph`` (grad mode on in backward) every step is a
+    differentiable torch op (torch's activation backward kernels have
+    derivatives of their own, and a saved output leads back to this
+    Function), so the gradients can be differentiated again.
+    """
     spec = ctx.spec
     acc_dtype = torch.float64 if torch.float64 in (grad_out.dtype, *(d for _, d in ctx.input_meta)) else torch.float32
     dy = grad_out.to(acc_dtype)
@@ -272,7 +295,13 @@ def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], 
     elif ctx.from_output:
         dz = torch_act_backward(dy, saved[0].to(acc_dtype), spec.act, spec.negative_slope)
     else:
-        dz = torch_act_backward(dy, _sum_torch(saved, acc_dtype), spec.act, spec.negative_slope)
+        if torch.is_grad_enabled():
+            z = saved[0].to(acc_dtype)
+            for tensor in saved[1:]:
+                z = z + tensor.to(acc_dtype)
+        else:
+            z = _sum_torch(saved, acc_dtype)
+        dz = torch_act_backward(dy, z, spec.act, spec.negative_slope)
     grads = []
     for (shape, dtype), need in zip(ctx.input_meta, needed):
         if not need:

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 
 from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
 from tfuse import _launch
 from tfuse._launch import launch, launch_cached, resident_programs, target_programs
-from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_
+from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
 from tfuse.ops._checks import check_float_dtype
 
 NUM_WARPS = 4
@@ -56,6 +58,8 @@ ELEMENTWISE_PROGRAMS_PER_SM = 32
 MAX_PLANS = 1024
 _INT32_LIMIT = 2**31 - 1
 
+_log = logging.getLogger(__name__)
+
 
 def batch_norm_act(
     x: torch.Tensor,
@@ -67,7 +71,7 @@ def batch_norm_act(
     momentum: float = 0.1,
     eps: float = 1e-5,
     act: str = "relu",
-    negative_slope: float = 0.01,
+    negative_slope: float | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``act(batch_norm(x) + residual)``: ``torch.nn.functional.batch_norm`` fused with a residual add and an activation.
@@ -77,9 +81,18 @@ def batch_norm_act(
     merging; biased variance to normalise, unbiased into ``running_var``,
     updated in place with ``momentum`` when ``training``), plus ``act``
     (relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, identity),
-    ``negative_slope`` and an optional ``residual`` of ``x``'s shape added
-    before the activation. NCHW and channels_last inputs are read in place;
-    the output has ``x``'s layout and dtype.
+    ``negative_slope`` (leaky_relu only, default 0.01) and an optional
+    ``residual`` of ``x``'s shape added before the activation. NCHW and
+    channels_last inputs are read in place; the output has ``x``'s layout,
+    and x's dtype promoted with the residual's, as torch's ``+`` does.
+
+    As in ``F.batch_norm``: ``momentum`` is a number (any value; the modules
+    turn ``momentum=None``, a cumulative average, into ``1 / num_batches_tracked``);
+    ``eps`` must be positive in training and non-negative in eval; eval needs
+    the running statistics; weight or bias may be given alone; weight, bias
+    and the running statistics share one dtype, x's or float32 (torch takes
+    float32 with a 16-bit x only; tfuse with a float64 x too, normalising in
+    float64). Double backward (``create_graph=True``) is supported.
 
     Example:
         >>> import torch
@@ -89,52 +102,140 @@ def batch_norm_act(
         >>> y = batch_norm_act(x, mean, var, training=True, residual=skip)
         >>> y.shape
         torch.Size([4, 3, 5, 5])
+
+    Raises:
+        TypeError: a non-tensor or non-floating input, a non-number momentum or eps.
+        ValueError: x with fewer than 2 dimensions; one value per channel in
+            training; eps out of range; per-channel tensors of the wrong size
+            (or x with another channel count than they have); a residual of
+            another shape; only one of running_mean and running_var; an
+            unknown activation, or a slope with one other than leaky_relu.
+        RuntimeError: eval without running statistics, mixed parameter
+            dtypes, tensors on different devices.
     """
-    act, negative_slope = check_activation("batch_norm_act", act, negative_slope)
+    act, negative_slope = check_activation("batch_norm_act", act, negative_slope, strict=True)
     for name, value in (("momentum", momentum), ("eps", eps)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}")
-    channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            hint = ""
+            if name == "momentum" and value is None:
+                hint = (" (momentum=None, a cumulative moving average, is the modules' option: "
+                        "they pass 1 / num_batches_tracked)")
+            raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}{hint}")
+    channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training, float(eps))
     backend = select_backend(x.device, "batch_norm_act")
+    log_backend_once(_log, "batch_norm_act", backend, x.device)
     if backend is Backend.TORCH:
-        y = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
-        if residual is not None:
-            y = y + residual
-        return torch_act_(y, act, negative_slope)  # y is a fresh tensor: in place is safe
+        return _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, momentum, eps, act,
+                                     negative_slope, residual)
+    if weight is None and bias is not None:
+        weight = torch.ones_like(bias)  # torch normalises with weight 1 when only a bias is given
+    elif bias is None and weight is not None:
+        bias = torch.zeros_like(weight)
+    if weight is not None and not (weight.is_contiguous() and bias.is_contiguous()):
+        weight, bias = weight.contiguous(), bias.contiguous()  # the kernels index them densely
+    if running_mean is not None and not (running_mean.is_contiguous() and running_var.is_contiguous()):
+        # The kernels index them densely and update them in place: run on dense copies, then write them back.
+        dense_mean, dense_var = running_mean.contiguous(), running_var.contiguous()
+        y = _batch_norm_act_triton(x, dense_mean, dense_var, weight, bias, training, momentum, eps, act,
+                                   negative_slope, residual, channels)
+        if training:
+            running_mean.copy_(dense_mean)
+            running_var.copy_(dense_var)
+        return y
+    return _batch_norm_act_triton(x, running_mean, running_var, weight, bias, training, momentum, eps, act,
+                                  negative_slope, residual, channels)
+
+
+def _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope,
+                          residual) -> torch.Tensor:
+    """The PyTorch path: F.batch_norm, the residual add and the activation (in place on a fresh tensor)."""
+    stats = (running_mean, running_var)
+    if x.dtype == torch.float64 and any(t is not None and t.dtype == torch.float32 for t in (*stats, weight, bias)):
+        # float32 parameters with a float64 x (which torch does not take): in float64, statistics written back.
+        weight, bias = (t.double() if t is not None else None for t in (weight, bias))
+        running_mean, running_var = (t.double() if t is not None else None for t in stats)
+    y = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    if training and stats[0] is not None and stats[0] is not running_mean:
+        stats[0].copy_(running_mean)
+        stats[1].copy_(running_var)
+    if residual is not None:
+        y = y + residual
+    return torch_act_(y, act, negative_slope)  # y is a fresh tensor: in place is safe
+
+
+def _batch_norm_act_triton(x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope,
+                           residual, channels) -> torch.Tensor:
+    """The Triton path of :func:`batch_norm_act` (arguments checked; per-channel tensors dense)."""
     if _layout(x) is None:
         x = x.contiguous()  # the output and gradients take x's layout, so it must be one the kernels read
     if residual is not None:
         residual = _in_layout_of(residual, x)
-    use_batch_stats = training or running_mean is None
-    spec = _spec(act, negative_slope, float(eps), float(momentum), use_batch_stats,
-                 training and running_mean is not None, channels)
+    spec = _spec(act, negative_slope, float(eps), float(momentum), bool(training),
+                 bool(training) and running_mean is not None, channels)
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _BatchNormActFunction.apply(spec, x, weight, bias, residual, running_mean, running_var)
     return _forward(spec, x, weight, bias, residual, running_mean, running_var)[0]
 
 
-def _check_inputs(x, running_mean, running_var, weight, bias, residual, training) -> int:
+_PER_CHANNEL = ("running_mean", "running_var", "weight", "bias")
+
+
+def _check_inputs(x, running_mean, running_var, weight, bias, residual, training, eps: float) -> int:
+    """Checks the tensors and eps as ``F.batch_norm`` does (in its words where it has them); returns C."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tfuse.batch_norm_act: x must be a torch.Tensor, got {type(x).__name__}")
     check_float_dtype("batch_norm_act", "x", x.dtype)
     if x.dim() < 2:
         raise ValueError(f"tfuse.batch_norm_act: x must have at least 2 dimensions [N, C, ...], got shape {list(x.shape)}")
     channels = x.shape[1]
-    for name, tensor in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+    given = []
+    for name, tensor in zip(_PER_CHANNEL, (running_mean, running_var, weight, bias)):
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tfuse.batch_norm_act: {name} must be a torch.Tensor or None, got {type(tensor).__name__}")
-        if tensor.shape != (channels,):
-            raise ValueError(f"tfuse.batch_norm_act: {name} must have shape [{channels}], got {list(tensor.shape)}")
         check_float_dtype("batch_norm_act", name, tensor.dtype)
         if tensor.device != x.device:
             raise RuntimeError(f"tfuse.batch_norm_act: {name} is on {tensor.device} but x is on {x.device}")
+        given.append((name, tensor))
+    if not training:
+        for name, tensor in (("running_mean", running_mean), ("running_var", running_var)):
+            if tensor is None:
+                raise RuntimeError(
+                    f"tfuse.batch_norm_act: {name} must be defined in evaluation mode (training=False "
+                    "normalises with the running statistics; pass training=True to use the batch's)"
+                )
     if (running_mean is None) != (running_var is None):
-        raise ValueError("tfuse.batch_norm_act: give both running_mean and running_var, or neither")
-    if (weight is None) != (bias is None):
-        raise ValueError("tfuse.batch_norm_act: give both weight and bias (affine), or neither")
+        raise ValueError(
+            "tfuse.batch_norm_act: running_mean and running_var must either both be None or neither be None"
+        )
+    sizes = {tuple(t.shape) for _, t in given}
+    if given and len(sizes) == 1 and len(next(iter(sizes))) == 1 and next(iter(sizes)) != (channels,):
+        # The per-channel tensors agree with each other, not with x: a channel mismatch.
+        size = next(iter(sizes))[0]
+        names = ", ".join(name for name, _ in given)
+        first = given[0][0]
+        raise ValueError(
+            f"tfuse.batch_norm_act: channel mismatch: x of shape {list(x.shape)} has {channels} channels "
+            f"(dimension 1), but {names} have {size} elements, as for an input with {size} channels "
+            f"({first} must have shape [{channels}], got [{size}])"
+        )
+    for name, tensor in given:
+        if tensor.shape != (channels,):
+            raise ValueError(
+                f"tfuse.batch_norm_act: {name} must have shape [{channels}], got {list(tensor.shape)} "
+                f"(x has {channels} channels; {name} should contain {channels} elements not {tensor.numel()})"
+            )
+    # torch's rule (one dtype, x's or float32 for a 16-bit x), plus float32 with a float64 x:
+    # statistics are kept in float32 by default, and a float64 x is normalised in float64 either way.
+    param_dtypes = {t.dtype for _, t in given}
+    if len(param_dtypes) > 1 or not param_dtypes <= {x.dtype, torch.float32}:
+        listed = ", ".join(f"{name} {t.dtype}" for name, t in given)
+        raise RuntimeError(
+            f"tfuse.batch_norm_act: mixed dtype: x is {x.dtype} and {listed}; weight, bias, running_mean and "
+            f"running_var must share one dtype, x's or float32"
+        )
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"tfuse.batch_norm_act: residual must be a torch.Tensor or None, got {type(residual).__name__}")
@@ -143,10 +244,15 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
             raise ValueError(f"tfuse.batch_norm_act: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
         if residual.device != x.device:
             raise RuntimeError(f"tfuse.batch_norm_act: residual is on {residual.device} but x is on {x.device}")
-    if training or running_mean is None:
+    if training:
         values_per_channel = x.numel() // max(channels, 1)
         if values_per_channel == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
+    # F.batch_norm's checks and words.
+    if training and eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    if eps < 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     return channels
 
 
@@ -428,10 +534,16 @@ def _resident(kernel, args: tuple, meta: dict, device: torch.device) -> int:
     return target_programs(device)
 
 
+def _out_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """The result's dtype: x's, promoted with the residual's as torch's ``batch_norm(x) + residual``."""
+    return x.dtype if residual is None or residual.dtype == x.dtype else torch.promote_types(x.dtype, residual.dtype)
+
+
 def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, running_var) -> _ForwardPlan:
     geometry = _geometry_of(x)
-    acc = _acc_dtype(x.dtype)
-    emulate = x.dtype == torch.bfloat16 and interpreter_active()
+    out_dtype = _out_dtype(x, residual)
+    acc = _acc_dtype(out_dtype)
+    emulate = out_dtype == torch.bfloat16 and interpreter_active()
     affine = weight is not None
     normalise = _Launch(
         kernels._bn_act_fwd_kernel, geometry.ew_grid,
@@ -480,7 +592,7 @@ def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
 
 def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var):
     """Runs the forward kernels; returns (y, stats, plan): stats is the [4, C] table + partials (None in eval)."""
-    y = torch.empty_like(x)  # x is dense, so y gets exactly its layout
+    y = torch.empty_like(x, dtype=_out_dtype(x, residual))  # x is dense, so y gets exactly its layout
     if x.numel() == 0:
         return y, None, None
     device = x.device
@@ -509,7 +621,7 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
 
 def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bias, needs, dres_dtype) -> _BackwardPlan:
     need_x, need_weight, need_bias, need_res = needs
-    acc = _acc_dtype(x.dtype)
+    acc = _acc_dtype(dy.dtype)
     eval_mode = not spec.use_batch_stats
     affine = weight is not None
     flags = dict(
@@ -580,6 +692,9 @@ class _BatchNormActFunction(torch.autograd.Function):
         spec = ctx.spec
         x, weight, bias, src, *running = ctx.saved_tensors
         need_x, need_weight, need_bias, need_res = needs = ctx.needs_input_grad[1:5]
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+            return (None, *_backward_differentiable(spec, dy, x, weight, bias, src, running, ctx.residual_dtype, needs),
+                    None, None)
         dx = torch.empty_like(x) if need_x else None
         dres = torch.empty_like(x, dtype=ctx.residual_dtype) if need_res else None
         dweight = torch.empty_like(weight) if need_weight else None
@@ -622,3 +737,47 @@ class _BatchNormActFunction(torch.autograd.Function):
                 device,
             )
         return None, dx, dweight, dbias, dres, None, None
+
+
+def _backward_differentiable(spec, dy, x, weight, bias, src, running, residual_dtype, needs) -> tuple:
+    """The backward in differentiable torch ops, for ``create_graph=True`` (double backward).
+
+    The same maths as the kernels, in float32 (float64 for float64): dz =
+    dy * act'(.) from the saved output or the recomputed pre-activation, then
+    batch norm's backward with the statistics recomputed from x (or the
+    running ones in eval). A saved output leads back to this op's Function,
+    so every dependency is in the graph.
+    """
+    need_x, need_weight, need_bias, need_res = needs
+    acc = _acc_dtype(dy.dtype)
+    dims = [0, *range(2, x.dim())]
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    xa = x.to(acc)
+    if spec.use_batch_stats:
+        mean = xa.mean(dims, keepdim=True)
+        var = (xa - mean).square().mean(dims, keepdim=True)
+    else:
+        mean, var = (t.to(acc).view(view) for t in running)
+    invstd = torch.rsqrt(var + spec.eps)
+    xhat = (xa - mean) * invstd
+    g = dy.to(acc)
+    if spec.act != "identity":
+        if spec.from_output:
+            dz = torch_act_backward(g, src.to(acc), spec.act, spec.negative_slope)
+        else:
+            z = xhat if weight is None else xhat * weight.to(acc).view(view) + bias.to(acc).view(view)
+            if src is not None:
+                z = z + src.to(acc)
+            dz = torch_act_backward(g, z, spec.act, spec.negative_slope)
+    else:
+        dz = g
+    dres = dz.to(residual_dtype) if need_res else None
+    dbias = dz.sum(dims).to(bias.dtype) if need_bias else None
+    dweight = (dz * xhat).sum(dims).to(weight.dtype) if need_weight else None
+    dx = None
+    if need_x:
+        dxhat = dz if weight is None else dz * weight.to(acc).view(view)
+        if spec.use_batch_stats:
+            dxhat = dxhat - dxhat.mean(dims, keepdim=True) - xhat * (dxhat * xhat).mean(dims, keepdim=True)
+        dx = (dxhat * invstd).to(x.dtype)
+    return dx, dweight, dbias, dres
