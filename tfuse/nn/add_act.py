@@ -6,15 +6,23 @@ import torch
 from torch import nn
 
 from tfuse import functional as F
-from tfuse.ops._activations import check_activation
+from tfuse.nn._common import act_kwargs, act_repr, fx_leaf_call, resolve_activation
 
 
 class FusedAddAct(nn.Module):
     """``act(x + others...)`` in one kernel launch (see :func:`tfuse.add_act`).
 
+    It replaces ``act(x + skip)`` written as an add followed by an activation
+    module (``nn.ReLU()``, ``nn.GELU()``, ...); torch has no module class for
+    the pair, so the signature is tfuse's own: the activation, positional or
+    keyword, and its slope, keyword-only. The default is relu, the
+    activation that ends a residual block; state it anyway for readability.
+
     Args:
-        act: relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
-        negative_slope: slope of leaky_relu for negative inputs.
+        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
+        negative_slope: slope of leaky_relu for negative inputs (default 0.01,
+            as ``nn.LeakyReLU``); an error with any other activation, where it
+            would have no effect.
 
     Example:
         >>> import torch
@@ -23,18 +31,22 @@ class FusedAddAct(nn.Module):
         >>> x, skip = torch.randn(2, 8, 4, 4), torch.randn(2, 8, 4, 4)
         >>> block_out(x, skip).shape  # relu(x + skip), as a residual block ends
         torch.Size([2, 8, 4, 4])
+        >>> FusedAddAct("leaky_relu", negative_slope=0.2)
+        FusedAddAct(act='leaky_relu', negative_slope=0.2)
     """
 
-    def __init__(self, act: str = "relu", negative_slope: float = 0.01) -> None:
+    def __init__(self, act: str = "relu", *, negative_slope: float | None = None) -> None:
         super().__init__()
-        self.act, self.negative_slope = check_activation("nn.FusedAddAct", act, negative_slope)
+        self.act, self.negative_slope = resolve_activation("nn.FusedAddAct", act, negative_slope)
 
     def forward(self, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
-        return F.add_act(x, *others, act=self.act, negative_slope=self.negative_slope)
+        traced = fx_leaf_call(self, x, *others)
+        if traced is not None:
+            return traced
+        return F.add_act(x, *others, **act_kwargs(self.act, self.negative_slope))
 
     def extra_repr(self) -> str:
-        slope = f", negative_slope={self.negative_slope}" if self.act == "leaky_relu" else ""
-        return f"act={self.act!r}{slope}"
+        return act_repr(self.act, self.negative_slope)
 
 
 class FusedBiasAct(nn.Module):
@@ -45,11 +57,17 @@ class FusedBiasAct(nn.Module):
     1 for ``[N, C, H, W]`` feature maps). Backward produces the bias gradient
     with a fused two-stage float32 reduction.
 
+    It replaces a bias parameter added by hand and then an activation module;
+    torch has no module class for the pair, so the signature is tfuse's own:
+    ``num_features`` and ``act`` positional or keyword, everything else
+    keyword-only.
+
     Args:
         num_features: size of ``x`` along ``dim``.
-        act: relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
-        dim: the dimension of ``x`` the bias runs along (negative counts from the end).
-        negative_slope: slope of leaky_relu for negative inputs.
+        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
+        dim: the dimension of ``x`` the bias runs along (negative counts from the end; default -1).
+        negative_slope: slope of leaky_relu for negative inputs (default 0.01);
+            an error with any other activation, where it would have no effect.
         device, dtype: of the bias parameter.
 
     The parameter is named ``bias`` (initialised to zeros), so a state dict
@@ -62,14 +80,17 @@ class FusedBiasAct(nn.Module):
         >>> layer = FusedBiasAct(16, act="silu", dim=1)
         >>> layer(torch.randn(2, 16, 5, 5)).shape
         torch.Size([2, 16, 5, 5])
+        >>> layer
+        FusedBiasAct(16, act='silu', dim=1)
     """
 
     def __init__(
         self,
         num_features: int,
         act: str = "relu",
+        *,
         dim: int = -1,
-        negative_slope: float = 0.01,
+        negative_slope: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -80,7 +101,7 @@ class FusedBiasAct(nn.Module):
             raise TypeError(f"nn.FusedBiasAct: dim must be an int, got {type(dim).__name__}")
         self.num_features = num_features
         self.dim = dim
-        self.act, self.negative_slope = check_activation("nn.FusedBiasAct", act, negative_slope)
+        self.act, self.negative_slope = resolve_activation("nn.FusedBiasAct", act, negative_slope)
         self.bias = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -88,12 +109,26 @@ class FusedBiasAct(nn.Module):
         nn.init.zeros_(self.bias)
 
     @classmethod
-    def from_bias(cls, bias: torch.Tensor, act: str = "relu", dim: int = -1, negative_slope: float = 0.01) -> FusedBiasAct:
+    def from_bias(
+        cls, bias: torch.Tensor, *, act: str = "identity", dim: int = -1, negative_slope: float | None = None
+    ) -> FusedBiasAct:
         """A FusedBiasAct around an existing 1-D bias.
 
         An ``nn.Parameter`` is used as it is (not copied), so an optimizer that
         holds it keeps training it; a plain tensor becomes a new Parameter
         over the same storage.
+
+        Like every tfuse converter, it adds no activation you did not name:
+        ``act`` defaults to identity (``x + bias``, what the bias computed
+        before); pass ``act="relu"`` (or another) to fuse one.
+
+        Example:
+            >>> import torch
+            >>> from tfuse.nn import FusedBiasAct
+            >>> trained = torch.nn.Parameter(torch.randn(8))
+            >>> layer = FusedBiasAct.from_bias(trained, act="gelu", dim=1)
+            >>> layer.bias is trained
+            True
         """
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
             raise ValueError(f"FusedBiasAct.from_bias: bias must be a 1-D tensor, got {getattr(bias, 'shape', type(bias).__name__)}")
@@ -102,6 +137,9 @@ class FusedBiasAct(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        traced = fx_leaf_call(self, x)
+        if traced is not None:
+            return traced
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"nn.FusedBiasAct: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or not -x.dim() <= self.dim < x.dim():
@@ -113,8 +151,7 @@ class FusedBiasAct(nn.Module):
                 f"got input of shape {list(x.shape)}"
             )
         bias = self.bias.view((self.num_features,) + (1,) * (x.dim() - dim - 1))
-        return F.add_act(x, bias, act=self.act, negative_slope=self.negative_slope)
+        return F.add_act(x, bias, **act_kwargs(self.act, self.negative_slope))
 
     def extra_repr(self) -> str:
-        slope = f", negative_slope={self.negative_slope}" if self.act == "leaky_relu" else ""
-        return f"{self.num_features}, act={self.act!r}, dim={self.dim}{slope}"
+        return f"{self.num_features}, {act_repr(self.act, self.negative_slope)}, dim={self.dim}"

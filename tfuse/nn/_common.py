@@ -1,0 +1,106 @@
+"""What every tfuse module shares: activation arguments, reprs, and torch.fx tracing as a leaf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as torch_F
+from torch import fx
+
+from tfuse.ops._activations import check_activation
+
+#: nn.LeakyReLU's default slope, used when ``act="leaky_relu"`` comes without one.
+DEFAULT_NEGATIVE_SLOPE = 0.01
+
+
+def resolve_activation(owner: str, act: object, negative_slope: object) -> tuple[str, float | None]:
+    """Checks a module's ``act`` / ``negative_slope`` pair; returns ``(act, slope)``.
+
+    ``negative_slope`` only means something for leaky_relu: there it defaults
+    to 0.01 (as ``nn.LeakyReLU``), and giving it with any other activation is
+    an error rather than a silently ignored argument. The slope returned is
+    None for every activation but leaky_relu.
+
+    Raises:
+        TypeError: a non-string ``act`` or a non-number ``negative_slope``.
+        ValueError: an unknown activation, a non-finite slope, or a slope given
+            with an activation other than leaky_relu.
+    """
+    slope = DEFAULT_NEGATIVE_SLOPE if negative_slope is None else negative_slope
+    act, slope = check_activation(owner, act, slope)
+    if act != "leaky_relu":
+        if negative_slope is not None:
+            raise ValueError(
+                f"tfuse.{owner}: negative_slope={negative_slope!r} has no effect with act={act!r}; "
+                f"it is the slope of act='leaky_relu' only"
+            )
+        return act, None
+    return act, slope
+
+
+def act_kwargs(act: str, negative_slope: float | None) -> dict[str, Any]:
+    """Keyword arguments of a tfuse functional call for this activation (the slope only for leaky_relu)."""
+    if act == "leaky_relu":
+        return {"act": act, "negative_slope": negative_slope}
+    return {"act": act}
+
+
+def slope_value(negative_slope: float | None) -> float:
+    """The slope as the kernels take it: a float whatever the activation (ignored unless leaky_relu)."""
+    return DEFAULT_NEGATIVE_SLOPE if negative_slope is None else negative_slope
+
+
+def act_repr(act: str, negative_slope: float | None) -> str:
+    """``act='relu'``, or ``act='leaky_relu', negative_slope=0.2``: the activation part of a module's repr."""
+    if act == "leaky_relu":
+        return f"act={act!r}, negative_slope={negative_slope}"
+    return f"act={act!r}"
+
+
+def torch_activation(y: torch.Tensor, act: str, negative_slope: float | None) -> torch.Tensor:
+    """``act(y)`` with torch's own (out-of-place) functions."""
+    if act == "identity":
+        return y
+    if act == "relu":
+        return torch_F.relu(y)
+    if act == "leaky_relu":
+        return torch_F.leaky_relu(y, slope_value(negative_slope))
+    if act == "gelu":
+        return torch_F.gelu(y)
+    if act == "gelu_tanh":
+        return torch_F.gelu(y, approximate="tanh")
+    if act == "silu":
+        return torch_F.silu(y)
+    if act == "sigmoid":
+        return torch.sigmoid(y)
+    if act == "tanh":
+        return torch.tanh(y)
+    raise ValueError(f"unknown activation {act!r}")
+
+
+def fx_leaf_call(module: torch.nn.Module, *args: Any) -> fx.Proxy | None:
+    """Under ``torch.fx`` symbolic tracing, records ``module(*args)`` as one ``call_module`` node.
+
+    torch.fx traces through a module's forward unless the module is a leaf,
+    and its default tracer takes only torch's own layers as leaves. A tfuse
+    forward checks its inputs and picks a kernel, which symbolic values
+    cannot do, so each tfuse module calls this first: while tracing it makes
+    the module a leaf itself (the graph calls the module, as it calls an
+    ``nn.BatchNorm2d``, so train/eval switches and state stay live), and
+    outside tracing it returns None and the forward goes on.
+
+    Tracing a tfuse module alone (as the root) is an error, as it is for
+    ``nn.BatchNorm2d``: trace a model that contains it.
+    """
+    proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+    if proxy is None:
+        return None
+    tracer = proxy.tracer
+    path = tracer.path_of_module(module)
+    if not path:
+        raise TypeError(
+            f"torch.fx: {type(module).__name__} is traced as a leaf module (a call_module node), so it cannot be "
+            f"the root of a trace; trace a model that contains it, e.g. torch.nn.Sequential(module)"
+        )
+    return tracer.create_proxy("call_module", path, args, {})
