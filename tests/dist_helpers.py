@@ -55,6 +55,8 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, init_file: str, result
     torch.save(dataclasses.asdict(outcome), result_file)
     if dist.is_initialized():
         try:
+            if outcome.error is None:
+                dist.barrier()  # nobody tears the group down while a peer still talks to it
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group (killed peer) may refuse; the process ends anyway
             pass

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tfuse.distributed import FusedDataParallel
 from tfuse.flat import owner_of
-from tfuse.optim import FusedAdam
+from tfuse.optim import FusedAdam, FusedMomentum
 
 BATCH = 4  # rows per rank per micro-batch
 STEPS = 3
@@ -454,6 +454,163 @@ def stalled_rank(rank: int, world: int) -> dict:
     return {"finished": True}
 
 
+def conv_net(channels_last: bool = False) -> torch.nn.Module:
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(4, 3, 1), torch.nn.Flatten(),
+        torch.nn.Linear(3 * 2 * 2, 3),
+    ).double()
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def image_batches(world: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(99)
+    return [(torch.randn(world * BATCH, 3, 2, 2, generator=generator, dtype=torch.float64),
+             torch.randn(world * BATCH, 3, generator=generator, dtype=torch.float64)) for _ in range(steps)]
+
+
+def _train_pair(fdp_side, ddp_side, batches, rank) -> None:
+    """One step per batch on each (model, optimizer) side, each on this rank's shard."""
+    for batch in batches:
+        for model, opt in (fdp_side, ddp_side):
+            opt.zero_grad()
+            loss_of(model, shard(batch, rank)).backward()
+            opt.step()
+
+
+def storage(rank: int, world: int) -> dict:
+    """Replaced storage under FusedDataParallel: taken back (trains like DDP), refused before any collective,
+    memory formats kept and checked across ranks."""
+    out = {}
+    # .data = new values on every rank: the wrapper's forward takes them back; training matches DDP.
+    wrapped = FusedDataParallel(conv_net(), bucket_mb=None, max_params_per_bucket=2)
+    ddp = DDP(conv_net())
+    fused = FusedMomentum(wrapped.parameters(), lr=0.05)
+    plain = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    batches = image_batches(world, 4)
+    _train_pair((wrapped, fused), (ddp, plain), batches[:2], rank)
+    values = torch.randn(wrapped.module[2].weight.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    wrapped.module[2].weight.data = values.clone()
+    ddp.module[2].weight.data = values.clone()
+    _train_pair((wrapped, fused), (ddp, plain), batches[2:], rank)
+    (buffer,) = wrapped.flat.param_buffers
+    offset = (wrapped.module[2].weight.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+    out["replaced"] = {"fdp": params_of(wrapped), "ddp": params_of(ddp), "in_flat": 0 <= offset < buffer.numel()}
+    # model.double() after wrapping (here: float32 -> float64): the same error on every rank, from forward,
+    # before any collective; the group is still usable afterwards.
+    single = FusedDataParallel(net().float(), bucket_mb=None)
+    single.module.double()
+    with recorded_all_reduces() as calls:
+        try:
+            single(torch.zeros(2, 6, dtype=torch.float64))
+            out["double_error"] = None
+        except RuntimeError as error:
+            out["double_error"] = str(error)
+    out["double_calls"] = len(calls)
+    dist.barrier()
+    # A channels_last model stays channels_last and trains like DDP.
+    last = FusedDataParallel(conv_net(channels_last=True), bucket_mb=None)
+    ddp_last = DDP(conv_net(channels_last=True))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (last, ddp_last)]
+    for batch in image_batches(world, 2):
+        x, y = shard(batch, rank)
+        x = x.contiguous(memory_format=torch.channels_last)
+        for model, opt in zip((last, ddp_last), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    out["channels_last"] = {"fdp": params_of(last), "ddp": params_of(ddp_last),
+                            "strides": [p.stride() for p in last.parameters()],
+                            "ddp_strides": [p.stride() for p in ddp_last.parameters()]}
+    # One rank converts its memory format, the others do not: refused at wrapping, on every rank.
+    try:
+        FusedDataParallel(conv_net(channels_last=rank == world - 1), bucket_mb=None)
+        out["format_mismatch"] = None
+    except RuntimeError as error:
+        out["format_mismatch"] = str(error)
+    dist.barrier()
+    return out
+
+
+def copies(rank: int, world: int) -> dict:
+    """deepcopy and pickling of a wrapper, like DDP's: the copy trains on its own, the original is untouched."""
+    import io
+
+    out = {}
+    batches = global_batches(world, 4)
+    wrapped = FusedDataParallel(rank_net(rank), bucket_mb=None, max_params_per_bucket=2)
+    ddp = DDP(reference_net())
+    opts = (torch.optim.SGD(wrapped.parameters(), lr=0.1), torch.optim.SGD(ddp.parameters(), lr=0.1))
+    _train_pair((wrapped, opts[0]), (ddp, opts[1]), batches[:1], rank)
+    before = params_of(wrapped)
+    clone = copy.deepcopy(wrapped)
+    ddp_clone = copy.deepcopy(ddp)
+    out["clone_is_fdp"] = type(clone) is FusedDataParallel and clone.flat is not wrapped.flat
+    out["clone_params_in_clone_flat"] = all(owner_of(p) is clone.flat for p in clone.parameters())
+    clone_opts = (torch.optim.SGD(clone.parameters(), lr=0.1), torch.optim.SGD(ddp_clone.parameters(), lr=0.1))
+    with recorded_all_reduces() as calls:
+        _train_pair((clone, clone_opts[0]), (ddp_clone, clone_opts[1]), batches[1:3], rank)
+    out["clone_calls"] = len(calls)
+    out["clone"] = {"fdp": params_of(clone), "ddp": params_of(ddp_clone)}
+    out["original_untouched"] = all(torch.equal(a, b) for a, b in zip(params_of(wrapped), before))
+    _train_pair((wrapped, opts[0]), (ddp, opts[1]), batches[3:], rank)  # the original still trains
+    out["original"] = {"fdp": params_of(wrapped), "ddp": params_of(ddp)}
+    # torch.save / torch.load of the whole wrapper, as DDP allows it with the default group.
+    stream = io.BytesIO()
+    torch.save(wrapped, stream)
+    pickled = stream.getvalue()
+    loaded = torch.load(io.BytesIO(pickled), weights_only=False)
+    loaded_opt = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    ddp_loaded = copy.deepcopy(ddp)
+    ddp_opt = torch.optim.SGD(ddp_loaded.parameters(), lr=0.1)
+    _train_pair((loaded, loaded_opt), (ddp_loaded, ddp_opt), batches[:2], rank)
+    out["loaded"] = {"fdp": params_of(loaded), "ddp": params_of(ddp_loaded)}
+    out["loaded_in_own_flat"] = all(owner_of(p) is loaded.flat for p in loaded.parameters()) and loaded.flat is not wrapped.flat
+    stream = io.BytesIO()
+    torch.save(ddp, stream)
+    out["ddp_pickles"] = len(stream.getvalue()) > 0
+    out["pickled"] = pickled if rank == 0 else None
+    # A wrapper over another process group cannot be pickled (DDP refuses too).
+    group = dist.new_group(list(range(world)))
+    other = FusedDataParallel(net(), bucket_mb=None, process_group=group)
+    try:
+        copy.deepcopy(other)
+        out["group_error"] = None
+    except RuntimeError as error:
+        out["group_error"] = str(error)
+    # One layer's state_dict serialises its own elements only.
+    big = FusedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]), bucket_mb=None)
+    stream = io.BytesIO()
+    torch.save(big.module[1].state_dict(), stream)
+    plain = io.BytesIO()
+    torch.save(torch.nn.Linear(64, 64).state_dict(), plain)
+    out["one_layer_bytes"] = (len(stream.getvalue()), len(plain.getvalue()))
+    dist.barrier()
+    return out
+
+
+def one_parameter(rank: int, world: int) -> dict:
+    """Singular nouns in the fusion log line and the repr."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("tfuse.distributed")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        wrapped = FusedDataParallel(torch.nn.Linear(6, 3, bias=False).double(), bucket_mb=None)
+    finally:
+        logger.removeHandler(handler)
+    with torch.device("meta"):
+        on_meta = torch.nn.Linear(6, 3)
+    try:
+        FusedDataParallel(on_meta)
+        meta_error = None
+    except ValueError as error:
+        meta_error = str(error)
+    return {"log": records, "repr": repr(wrapped), "flat": repr(wrapped.flat), "meta_error": meta_error}
+
+
 SUITE = {
     "train_sgd": train,
     "train_fused_adam": lambda rank, world: train(rank, world, optimizer="fused_adam"),
@@ -465,6 +622,9 @@ SUITE = {
     "dtypes": dtypes,
     "buffers": buffers,
     "rewrap": rewrap,
+    "storage": storage,
+    "copies": copies,
+    "one_parameter": one_parameter,
 }
 
 

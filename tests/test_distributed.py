@@ -197,6 +197,75 @@ def test_requires_grad_change_needs_rewrapping_and_rewrapping_works(world2):
         assert result["first"][0][0] is None and result["second"][0][0] is not None  # 0.weight: frozen, then trained
 
 
+# --------------------------------------------------------------------------- replaced storage, memory formats
+
+
+def test_replaced_storage_under_the_wrapper_is_taken_back_or_refused_before_any_collective(world2):
+    for result in scenario(world2, "storage"):
+        replaced = result["replaced"]
+        assert replaced["in_flat"]  # the assigned weight went back into the flat buffer
+        assert_all_close(replaced["fdp"], replaced["ddp"], **TIGHT)  # and kept training, like DDP
+        error = result["double_error"]
+        assert error is not None and "changed dtype from torch.float32 to torch.float64" in error
+        assert "'0.weight'" in error and "Convert the model first" in error  # names from the wrapped module
+        assert result["double_calls"] == 0  # raised before any all-reduce
+    ranks = scenario(world2, "storage")
+    assert len({r["double_error"] for r in ranks}) == 1  # the same error on every rank
+
+
+def test_a_channels_last_model_keeps_its_format_under_the_wrapper_and_ranks_must_agree_on_it(world2):
+    ranks = scenario(world2, "storage")
+    for result in ranks:
+        last = result["channels_last"]
+        assert last["strides"] == last["ddp_strides"]  # channels_last kept (the 4-D weights)
+        assert_all_close(last["fdp"], last["ddp"], **TIGHT)
+        error = result["format_mismatch"]
+        assert error is not None and "parameter '0.weight'" in error and "strides (27, 1, 9, 3)" in error
+    assert len({r["format_mismatch"] for r in ranks}) == 1
+
+
+# --------------------------------------------------------------------------- copies and pickling
+
+
+def test_a_deep_copy_of_the_wrapper_trains_on_its_own_like_a_copy_of_ddp(world2):
+    for result in scenario(world2, "copies"):
+        assert result["clone_is_fdp"] and result["clone_params_in_clone_flat"]
+        assert result["clone_calls"] > 0  # the copy all-reduces: it has its own reducer in the default group
+        assert_all_close(result["clone"]["fdp"], result["clone"]["ddp"], **TIGHT)
+        assert result["original_untouched"]
+        assert_all_close(result["original"]["fdp"], result["original"]["ddp"], **TIGHT)
+
+
+def test_the_wrapper_pickles_like_ddp_and_unpickling_needs_a_process_group(world2):
+    ranks = scenario(world2, "copies")
+    for result in ranks:
+        assert result["ddp_pickles"]  # torch 2.13's DDP pickles with the default group; so does the wrapper
+        assert result["loaded_in_own_flat"]
+        assert_all_close(result["loaded"]["fdp"], result["loaded"]["ddp"], **TIGHT)
+        error = result["group_error"]
+        assert error is not None and "only a wrapper that uses the default process group" in error
+    import io
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
+        torch.load(io.BytesIO(ranks[0]["pickled"]), weights_only=False)
+
+
+def test_one_layers_state_dict_under_the_wrapper_is_compact(world2):
+    for result in scenario(world2, "copies"):
+        mine, plain = result["one_layer_bytes"]
+        assert mine <= plain + 512, (mine, plain)  # not the four layers of the flat buffer
+
+
+def test_singular_and_plural_in_the_log_line_and_reprs(world2):
+    result = scenario(world2, "one_parameter")[0]
+    assert any("1 gradient tensor, 1 all-reduce call per step after fusion" in line for line in result["log"]), result["log"]
+    assert "1 gradient tensor in 1 all-reduce bucket," in result["repr"]
+    assert result["flat"] == "FlatParams(1 parameter (18 elements, 144 B) coalesced into 1 buffer, 1 bucket)"
+    assert "parameters are on the meta device (no data); materialize them first" in result["meta_error"]
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -226,6 +295,11 @@ def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3/3" in result.stdout and "replicas identical: True" in result.stdout, result.stdout
+    logged = result.stdout + result.stderr
+    assert "INFO rank 0 tfuse.distributed.data_parallel: FusedDataParallel:" in logged  # rank 0 logs
+    assert "INFO rank 1" not in logged, logged[-3000:]  # the other ranks only at WARNING and above
+    for sign in ("SIGABRT", "Aborted", "terminate called", "Signals."):
+        assert sign not in logged, logged[-3000:]  # a clean teardown
 
 
 # --------------------------------------------------------------------------- errors without a process group
@@ -241,6 +315,20 @@ def test_errors_before_any_collective():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             FusedDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_bad_options_are_refused_before_any_collective_naming_the_argument():
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"FusedDataParallel: bucket_mb must be a positive number or None, got 'big'"):
+        FusedDataParallel(layer, bucket_mb="big")
+    with pytest.raises(ValueError, match=r"FusedDataParallel: bucket_mb must be a positive number or None, got -1"):
+        FusedDataParallel(layer, bucket_mb=-1)
+    with pytest.raises(ValueError, match=r"FusedDataParallel: max_params_per_bucket must be a positive int or None, got 0"):
+        FusedDataParallel(layer, max_params_per_bucket=0)
+    with pytest.raises(TypeError, match=r"FusedDataParallel: process_group must be a torch.distributed.ProcessGroup or None, got int"):
+        FusedDataParallel(layer, process_group=1)
+    with pytest.raises(TypeError, match=r"FusedDataParallel: broadcast_buffers must be a bool, got 'no'"):
+        FusedDataParallel(layer, broadcast_buffers="no")
 
 
 def test_init_from_env_names_what_torchrun_would_have_set(monkeypatch):
@@ -260,7 +348,7 @@ def test_default_backend_is_nccl_only_when_each_local_rank_has_a_gpu(monkeypatch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc_per_node=2 on a one-GPU machine
     with caplog.at_level("WARNING", logger="tfuse.distributed.launch"):
         assert launch._default_backend() == "gloo"
-    assert "2 processes on this node but 1 GPU(s) visible" in caplog.text
+    assert "2 processes on this node but 1 GPU is visible" in caplog.text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launch._default_backend() == "gloo"
 

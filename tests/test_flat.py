@@ -237,3 +237,32 @@ def test_a_new_layout_keeps_values_and_gradients_and_bumps_the_version(device):
         if name in grads:
             torch.testing.assert_close(param.grad, grads[name], rtol=0, atol=0)
     assert flat.groups[0].n_trainable == len(list(model.parameters()))  # no frozen tail any more
+
+
+def test_bad_arguments_get_errors_that_name_them(device):
+    with pytest.raises(TypeError, match=r"params should be an iterable of Tensors .* or an nn.Module, but got NoneType"):
+        FlatParams(None)
+    with pytest.raises(TypeError, match=r"but got str"):
+        FlatParams("weight")
+    layer = nn.Linear(3, 2).to(device)
+    with pytest.raises(TypeError, match=r"parameter 0 is a module \(Linear\), not a torch.Tensor; pass module.parameters\(\)"):
+        FlatParams([layer])
+    with pytest.raises(TypeError, match=r"parameter 1 \('mask'\) has dtype torch.bool"):
+        FlatParams([("weight", layer.weight), ("mask", torch.ones(2, dtype=torch.bool, device=device))])
+    fresh = [nn.Parameter(torch.randn(3, device=device))]
+    with pytest.raises(ValueError, match=r"bucket_mb must be a positive number or None, got nan"):
+        FlatParams(fresh, bucket_mb=float("nan"))
+    with pytest.raises(ValueError, match=r"bucket_mb must be a positive number or None, got '1'"):
+        FlatParams(fresh, bucket_mb="1")
+    with pytest.raises(ValueError, match=r"max_params_per_bucket must be a positive int or None, got 2.0"):
+        FlatParams(fresh, max_params_per_bucket=2.0)
+    with pytest.raises(ValueError, match=r"align_bytes must be a power of two, got True"):
+        FlatParams(fresh, align_bytes=True)
+    named = FlatParams(layer)  # a module: its named parameters
+    assert named.name_of(layer.weight) == "weight" and len(named) == 2
+
+
+def test_plurals_in_the_report_line(device):
+    assert repr(FlatParams([nn.Parameter(torch.randn(1, device=device))])) == (
+        "FlatParams(1 parameter (1 element, 4 B) coalesced into 1 buffer, 1 bucket)"
+    )

@@ -111,9 +111,11 @@ class GradientReducer:
         self._in_backward = False
         self._reset_pass()
         if issued:
+            total = len(self.buckets)
             raise RuntimeError(
                 f"FusedDataParallel: the previous backward pass stopped (it raised) after issuing {issued} of "
-                f"{len(self.buckets)} gradient all-reduces; this rank is out of step with the others and cannot go on"
+                f"{total} gradient all-reduce{'' if total == 1 else 's'}; this rank is out of step with the others and "
+                "cannot go on"
             )
         logger.warning("FusedDataParallel: the previous backward pass stopped before issuing any all-reduce; forgotten")
 
@@ -218,7 +220,8 @@ class GradientReducer:
         names = [repr(self._names[p]) for p in missing]
         shown = ", ".join(names[:_MAX_NAMES]) + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
         raise RuntimeError(
-            f"FusedDataParallel: {len(missing)} parameter(s) received no gradient in this backward pass: {shown}. "
+            f"FusedDataParallel: {len(missing)} parameter{'' if len(missing) == 1 else 's'} received no gradient in "
+            f"this backward pass: {shown}. "
             "If parts of the model are skipped in some iterations, pass find_unused_parameters=True (they then "
             "contribute zeros); otherwise make every parameter take part in the loss or set requires_grad=False. "
             "The all-reduces were completed with zeros for them so that other ranks do not hang."

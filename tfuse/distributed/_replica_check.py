@@ -1,8 +1,11 @@
 """Checks that every rank wraps the same model with the same flat layout.
 
 Every rank describes its replica as a list of (what, value) entries: the
-wrapper's options, each parameter in flat-buffer order (name, shape, dtype,
-buffer and offset), the buckets and the module buffers. One all-gather of a
+wrapper's options, each parameter in flat-buffer order (name, shape, strides
+(its memory format: rank 0's values are broadcast and gradients summed
+element by element of the flat buffers, so a channels_last weight on one
+rank and a contiguous one on another would mix elements), dtype, buffer and
+offset), the buckets and the module buffers. One all-gather of a
 32-byte digest per rank compares them; only when digests differ are the
 descriptions themselves gathered, so that every rank can raise the same
 error naming the first difference. All of it runs before any gradient
@@ -33,7 +36,9 @@ def describe_replica(
             entries.append(
                 (
                     f"parameter {names[param]!r}",
-                    f"shape {tuple(param.shape)}, {_dtype(param.dtype)}, {trainable}, buffer {buffer_index} offset {offset}",
+                    f"shape {tuple(param.shape)}, strides {_canonical_strides(group.shapes[position], group.strides[position])}, "
+                    f"{_dtype(param.dtype)}, {trainable}, "
+                    f"buffer {buffer_index} offset {offset}",
                 )
             )
     for buffer_index, group in enumerate(flat.groups):
@@ -99,3 +104,17 @@ def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, device: t
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _canonical_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """``strides`` with the contiguous value for size-1 dimensions, whose stride places no element.
+
+    Two layouts that put every element at the same place (a (C, K, 1, 1) weight
+    contiguous or channels_last) then read the same.
+    """
+    contiguous, step = [], 1
+    for size in reversed(shape):
+        contiguous.append(step)
+        step *= max(size, 1)
+    contiguous.reverse()
+    return tuple(s if n > 1 else c for n, s, c in zip(shape, strides, contiguous))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tfuse.distributed._reducer import GradientReducer
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
-from tfuse.flat import Bucket, FlatParams, owner_of
+from tfuse.flat import Bucket, FlatParams, owner_of, register_compact_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,21 @@ class FusedDataParallel(torch.nn.Module):
 
     Parameters may not change ``requires_grad`` after wrapping (their flat
     layout is fixed); to freeze or unfreeze, wrap again:
-    ``model = FusedDataParallel(model.module, ...)``.
+    ``model = FusedDataParallel(model.module, ...)``. Nor may they change
+    dtype, device or memory format (``model.double()``,
+    ``model.to(memory_format=torch.channels_last)``): convert the model
+    before wrapping; the next training forward raises a clear error on every
+    rank, before any collective, if it was done after. A parameter whose
+    storage is replaced with same-kind values (``layer.weight.data = t``) is
+    taken back into the flat buffer by that forward (see
+    :meth:`tfuse.flat.FlatParams.check_storage`).
+
+    Copies: as with DDP, a wrapper that uses the default process group can be
+    pickled (``torch.save(model)``) and deep-copied; the copy (or the loaded
+    model) gets its own flat buffers and reducer over its own parameters, in
+    the default process group, without any collective (the replicas were
+    checked when the original was built). ``model.module.state_dict()`` (or
+    any submodule's) serialises each parameter's own elements only.
     """
 
     def __init__(
@@ -110,58 +124,104 @@ class FusedDataParallel(torch.nn.Module):
         find_unused_parameters: bool = False,
     ) -> None:
         super().__init__()
-        _check_arguments(module, gradient_merge_steps, gradient_merge_avg, broadcast_buffers, find_unused_parameters)
+        _check_arguments(module, bucket_mb, max_params_per_bucket, process_group, gradient_merge_steps,
+                         gradient_merge_avg, broadcast_buffers, find_unused_parameters)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "FusedDataParallel: torch.distributed is not initialized; call torch.distributed.init_process_group "
                 "(or tfuse.distributed.init_process_group_from_env under torchrun) before wrapping the model"
             )
         self.module = module
+        self.bucket_mb = bucket_mb
+        self.max_params_per_bucket = max_params_per_bucket
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.gradient_merge_steps = gradient_merge_steps
         self.gradient_merge_avg = gradient_merge_avg
         self.find_unused_parameters = find_unused_parameters
+        self._build(synchronize=True)
+
+    def _build(self, synchronize: bool) -> None:
+        """Flat buffers, reducer and state-dict hooks for ``self.module``; with ``synchronize``, also the
+        cross-rank model check and the broadcast of rank 0's parameters and buffers (collectives)."""
+        module, process_group = self.module, self.process_group
         names = _parameter_names(module)
         params = list(names)
         device = _single_device(params, names)
-        flat = _flat_params_for(params, names, bucket_mb, max_params_per_bucket)
+        flat = _flat_params_for(params, names, self.bucket_mb, self.max_params_per_bucket)
         self._flat_ref = flat  # a plain attribute: not a submodule, not in state_dict
         self._params = params
         self._param_names = [names[p] for p in params]
         self._requires_grad = [p.requires_grad for p in params]
-        options = {
-            "bucket_mb": bucket_mb,
-            "max_params_per_bucket": max_params_per_bucket,
-            "broadcast_buffers": broadcast_buffers,
-            "gradient_merge_steps": gradient_merge_steps,
-            "gradient_merge_avg": gradient_merge_avg,
-            "find_unused_parameters": find_unused_parameters,
-        }
-        check_replicas_match(describe_replica(module, flat, names, options), process_group, device)
-        broadcast_parameters(flat, process_group)
-        broadcast_tensors(list(module.buffers()), process_group)
+        if synchronize:
+            options = {
+                "bucket_mb": self.bucket_mb,
+                "max_params_per_bucket": self.max_params_per_bucket,
+                "broadcast_buffers": self.broadcast_buffers,
+                "gradient_merge_steps": self.gradient_merge_steps,
+                "gradient_merge_avg": self.gradient_merge_avg,
+                "find_unused_parameters": self.find_unused_parameters,
+            }
+            check_replicas_match(describe_replica(module, flat, names, options), process_group, device)
+            broadcast_parameters(flat, process_group)
+            broadcast_tensors(list(module.buffers()), process_group)
         previous = _ACTIVE_REDUCER.get(flat)
         if previous is not None and previous() is not None:
             previous().remove_hooks()
             previous().retired = True
-        self._reducer = GradientReducer(flat, names, process_group, gradient_merge_steps, gradient_merge_avg, find_unused_parameters)
+        self._reducer = GradientReducer(flat, names, process_group, self.gradient_merge_steps, self.gradient_merge_avg,
+                                        self.find_unused_parameters)
         self._reducer.retired = False
         _ACTIVE_REDUCER[flat] = weakref.ref(self._reducer)
+        register_compact_state_dict(module)
         self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
         self.num_allreduce_calls = len(flat.buckets)
         rank = dist.get_rank(process_group)
         logger.log(
-            logging.INFO if rank == 0 else logging.DEBUG,
-            "FusedDataParallel: %d gradient tensors, %d all-reduce calls per step after fusion "
-            "(bucket_mb=%s, max_params_per_bucket=%s); world size %d, %s",
-            self.num_grad_tensors,
-            self.num_allreduce_calls,
-            bucket_mb,
-            max_params_per_bucket,
+            logging.INFO if rank == 0 and synchronize else logging.DEBUG,
+            "FusedDataParallel: %s, %s per step after fusion (bucket_mb=%s, max_params_per_bucket=%s); "
+            "world size %d, %s",
+            _plural(self.num_grad_tensors, "gradient tensor"),
+            _plural(self.num_allreduce_calls, "all-reduce call"),
+            self.bucket_mb,
+            self.max_params_per_bucket,
             dist.get_world_size(process_group),
             flat.describe(),
         )
+
+    # ------------------------------------------------------------------ copies and pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling and ``copy.deepcopy`` keep: the module and the options (as DDP, not the process group).
+
+        Raises RuntimeError when the wrapper uses a process group other than
+        the default one (a process group cannot be pickled; DDP raises too).
+        """
+        if not _uses_default_group(self.process_group):
+            raise RuntimeError(
+                "FusedDataParallel: only a wrapper that uses the default process group (process_group=None) can be "
+                "pickled or deep-copied, as with DDP; a process group cannot be pickled. Save model.module (or its "
+                "state_dict) instead"
+            )
+        state = dict(self.__dict__)
+        for key in ("_flat_ref", "_reducer", "process_group", "_params", "_param_names", "_requires_grad"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuilds flat buffers and reducer over the (copied or loaded) module, in the default process group.
+
+        No collective runs: every rank may load or copy on its own.
+        """
+        super().__setstate__(state)
+        self.process_group = None
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FusedDataParallel: unpickling or deep-copying a FusedDataParallel needs torch.distributed initialized "
+                "(its reducer joins the default process group), as with DDP; call torch.distributed.init_process_group "
+                "first, or save and load model.module (or its state_dict) instead"
+            )
+        self._build(synchronize=False)
 
     # ------------------------------------------------------------------ properties
 
@@ -183,13 +243,20 @@ class FusedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Runs the wrapped module; with gradients enabled, first broadcasts buffers from rank 0."""
+        """Runs the wrapped module; with gradients enabled, first checks the parameters and broadcasts buffers from rank 0.
+
+        The check (before any collective): parameters whose storage was
+        replaced are taken back into the flat buffers, or a clear error is
+        raised (see :meth:`tfuse.flat.FlatParams.check_storage`), and
+        ``requires_grad`` must not have changed since wrapping.
+        """
         if self._reducer.retired:
             raise RuntimeError(
                 "FusedDataParallel: this wrapper was replaced by a newer FusedDataParallel of the same parameters; "
                 "use the new one"
             )
         if torch.is_grad_enabled():
+            self.flat.check_storage()
             self._check_requires_grad()
             self._reducer.check_idle()
             self._reducer.prepare_for_backward()
@@ -232,16 +299,40 @@ class FusedDataParallel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.num_grad_tensors} gradient tensors in {self.num_allreduce_calls} all-reduce buckets, "
+            f"{_plural(self.num_grad_tensors, 'gradient tensor')} in "
+            f"{_plural(self.num_allreduce_calls, 'all-reduce bucket')}, "
             f"gradient_merge_steps={self.gradient_merge_steps}, find_unused_parameters={self.find_unused_parameters}"
         )
 
 
-def _check_arguments(module: Any, merge_steps: Any, merge_avg: Any, broadcast_buffers: Any, find_unused: Any) -> None:
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _uses_default_group(group: Any) -> bool:
+    if group is None or group is dist.group.WORLD:
+        return True
+    try:
+        return group == dist.distributed_c10d._get_default_group()
+    except RuntimeError:  # no default group
+        return False
+
+
+def _check_arguments(module: Any, bucket_mb: Any, max_params: Any, process_group: Any, merge_steps: Any, merge_avg: Any,
+                     broadcast_buffers: Any, find_unused: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"FusedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, FusedDataParallel):
         raise TypeError("FusedDataParallel: the module is already a FusedDataParallel; wrap its .module instead")
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0):
+        raise ValueError(f"FusedDataParallel: bucket_mb must be a positive number or None, got {bucket_mb!r}")
+    if max_params is not None and (isinstance(max_params, bool) or not isinstance(max_params, int) or max_params < 1):
+        raise ValueError(f"FusedDataParallel: max_params_per_bucket must be a positive int or None, got {max_params!r}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"FusedDataParallel: process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
+        )
     if isinstance(merge_steps, bool) or not isinstance(merge_steps, int) or merge_steps < 1:
         raise ValueError(f"FusedDataParallel: gradient_merge_steps must be a positive int, got {merge_steps!r}")
     for name, value in (("gradient_merge_avg", merge_avg), ("broadcast_buffers", broadcast_buffers), ("find_unused_parameters", find_unused)):
@@ -267,7 +358,13 @@ def _single_device(params: list[torch.nn.Parameter], names: dict[torch.nn.Parame
             f"FusedDataParallel: the module's parameters are on {len(devices)} devices ({listing}, ...); "
             "put the whole replica on one device (one GPU per process)"
         )
-    return devices.pop()
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError(
+            "FusedDataParallel: the module's parameters are on the meta device (no data); materialize them first, "
+            "e.g. module.to_empty(device=...) and initialize, then wrap"
+        )
+    return device
 
 
 def _flat_params_for(
@@ -276,7 +373,7 @@ def _flat_params_for(
     """A new FlatParams for ``params``, or the existing one that holds exactly them (re-bucketed)."""
     owners = {owner_of(p) for p in params}
     if owners == {None}:
-        return FlatParams(params, bucket_mb=bucket_mb, max_params_per_bucket=max_params)
+        return FlatParams([(names[p], p) for p in params], bucket_mb=bucket_mb, max_params_per_bucket=max_params)
     owner = next(iter(owners)) if len(owners) == 1 else None
     if owner is None or set(owner.params) != set(params):
         taken = next(p for p in params if owner_of(p) is not None)
@@ -285,6 +382,7 @@ def _flat_params_for(
             "this module's parameters (a fused optimizer created before wrapping, over a different set?); wrap the "
             "model first and create the optimizer from the wrapped model's parameters"
         )
-    owner.sync_grads()  # re-lays out if requires_grad changed since it was built
+    owner.set_names(names)
+    owner.sync_grads()  # takes back replaced storage (or raises); re-lays out if requires_grad changed since it was built
     owner.set_buckets(bucket_mb, max_params)
     return owner

@@ -39,7 +39,8 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise RuntimeError(
-            f"init_process_group_from_env: environment variable(s) {', '.join(missing)} not set; start the script "
+            f"init_process_group_from_env: environment variable{'' if len(missing) == 1 else 's'} {', '.join(missing)} "
+            "not set; start the script "
             "with torchrun (e.g. torchrun --nproc_per_node=2 train.py), which sets them"
         )
     if dist.is_initialized():
@@ -55,14 +56,17 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
-                f"init_process_group_from_env: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) "
-                "are visible; start at most one process per GPU"
+                f"init_process_group_from_env: LOCAL_RANK={local_rank} but only {_gpus(torch.cuda.device_count())} "
+                "visible; start at most one process per GPU"
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend=backend, init_method="env://", **kwargs)
-    logger.info("rank %d of %d joined the %s process group on %s", dist.get_rank(), dist.get_world_size(), backend, device)
+    rank = dist.get_rank()
+    # Like FusedDataParallel's own lines: INFO from rank 0, DEBUG from the others (which say the same).
+    logger.log(logging.INFO if rank == 0 else logging.DEBUG, "rank %d of %d joined the %s process group on %s", rank,
+               dist.get_world_size(), backend, device)
     return device
 
 
@@ -74,8 +78,13 @@ def _default_backend() -> str:
     gpus = torch.cuda.device_count()
     if local_world > gpus:
         logger.warning(
-            "init_process_group_from_env: %d processes on this node but %d GPU(s) visible; using gloo on the CPU "
-            "(start at most one process per GPU to use NCCL, or pass backend='gloo' to silence this)", local_world, gpus,
+            "init_process_group_from_env: %s on this node but %s visible; using gloo on the CPU "
+            "(start at most one process per GPU to use NCCL, or pass backend='gloo' to silence this)",
+            f"{local_world} process{'' if local_world == 1 else 'es'}", _gpus(gpus),
         )
         return "gloo"
     return "nccl"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'' if n == 1 else 's'} {'is' if n == 1 else 'are'}"
