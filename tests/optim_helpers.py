@@ -15,6 +15,19 @@ from torch import nn
 # operations (and torch's fused CPU kernel vectorizes differently); Adam's
 # m / sqrt(v) amplifies a one-ulp difference of a tiny gradient, hence 1e-5.
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=2e-7)}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def assert_rounded_from(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg) -> None:
+    """``actual`` (in ``dtype``) is float32 ``expected`` rounded to ``dtype``, one ulp either way.
+
+    Plus float32 rounding on the tensor's scale: where the update cancels (``0.7 g + 0.3 m`` close to
+    zero), two float32 evaluations in different orders differ by an ulp of the operands, which is
+    all of a tiny result.
+    """
+    finfo = torch.finfo(dtype)
+    atol = max(finfo.smallest_normal * finfo.eps, 4 * torch.finfo(torch.float32).eps * float(expected.abs().max()))
+    torch.testing.assert_close(actual, expected.to(dtype), rtol=finfo.eps, atol=atol, msg=msg)
 
 
 class Net(nn.Module):
@@ -110,3 +123,62 @@ def saved(state_dict: dict) -> dict:
     torch.save(state_dict, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def float32_for_loop_reference(fused: torch.optim.Optimizer, torch_cls: type, options: dict) -> tuple[list, list, torch.optim.Optimizer]:
+    """torch.optim's for-loop implementation (``foreach=False``) on float32 copies of the fused
+    optimizer's parameters, state (through its state dict) and gradients, as they are now.
+
+    Returns (the fused side's parameters, their float32 copies, the torch optimizer over the copies).
+    """
+    params = [p for group in fused.param_groups for p in group["params"]]
+    copies = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
+    remaining = iter(copies)
+    groups = [dict(params=[next(remaining) for _ in group["params"]]) for group in fused.param_groups]
+    reference = torch_cls(groups, **{**options, "foreach": False})
+    reference.load_state_dict(copy.deepcopy(fused.state_dict()))  # hyperparameters and state, cast to float32 by torch
+    for group in reference.param_groups:
+        group["foreach"], group["fused"] = False, None  # the for-loop, whatever the fused side's group says
+    for copied, param in zip(copies, params):
+        copied.grad = None if param.grad is None else param.grad.float()
+    return params, copies, reference
+
+
+def run_low_precision_step_by_step(model: Net, fused: torch.optim.Optimizer, torch_cls: type, options: dict, steps: int,
+                                   device: torch.device, dtype: torch.dtype, zero_grads: bool = True) -> None:
+    """A float16/bfloat16 trajectory, every step checked against torch.optim's for-loop step in float32.
+
+    Before each fused step, torch's for-loop optimizer (``foreach=False``) is built on float32 copies of
+    the fused side's parameters, state and gradients and takes the same step; the fused parameters
+    and state must then equal its results rounded to ``dtype``, within one ulp: the fused update
+    computes in float32 and rounds once, as its contract says. (A whole trajectory of torch's for-loop
+    run in float16 itself is no reference: it rounds every intermediate to float16, and Adam's
+    eps=1e-8 underflows to zero there, so its parameters become inf where the float32 maths stay finite.)
+
+    ``zero_grads``: every third step, ``zero_grad(set_to_none=False)`` (zero gradients, as in
+    run_side_by_side). Off for Adam in float16: a zero gradient on an element whose float16
+    ``exp_avg_sq`` underflowed to zero makes the update ``m / eps`` (torch's fused Adam does the
+    same), the model then overflows, and NaN compared with NaN would prove nothing.
+    """
+    sign = -1.0 if options.get("maximize") else 1.0
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(steps):
+        fused.zero_grad(set_to_none=not zero_grads or step % 3 != 2)
+        backward(model, torch.randn(6, 5, device=device, dtype=dtype), step, sign)
+        params, copies, reference = float32_for_loop_reference(fused, torch_cls, options)
+        fused.step()
+        reference.step()
+        for index, (param, copied) in enumerate(zip(params, copies)):
+            assert_rounded_from(param.detach(), copied.detach(), dtype, msg=lambda m, i=index, s=step: f"step {s}, param {i}: {m}")
+            mine = {k: v for k, v in fused.state.get(param, {}).items() if k != "master_param"}
+            theirs = {k: v for k, v in reference.state.get(copied, {}).items() if v is not None}
+            assert sorted(mine) == sorted(theirs), (step, index)
+            for key, value in theirs.items():
+                if key == "step":
+                    assert float(mine[key]) == float(value), (step, index)
+                else:
+                    assert mine[key].dtype == dtype
+                    assert_rounded_from(mine[key], value, dtype, msg=lambda m, i=index, k=key, s=step: f"step {s}, param {i} {k}: {m}")
+    # The updates were large enough to show in the low-precision parameters (a no-op step would fail above).
+    moved = [bool((p.detach() != s).any()) for p, s in zip(model.parameters(), start)]
+    assert sum(moved) >= len(moved) - 1, moved

@@ -247,3 +247,70 @@ def test_sparse_gradients_are_refused(device):
     embedding.weight.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 3), (10, 3)).to(device)  # set by hand
     with pytest.raises(RuntimeError, match="sparse gradients"):
         optimizer.step()
+
+
+class ConvNet(nn.Module):
+    """A channels_last convolution (its slot keeps the memory format) next to plain parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x)).mean(dim=(2, 3)))
+
+
+def conv_step(net, optimizer, x) -> None:
+    optimizer.zero_grad()
+    net(x).pow(2).mean().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0].__name__)
+def test_channels_last_parameters_get_state_in_their_layout_and_state_dicts_move_both_ways(pair, backend, device):
+    """optimizer.state[p] pairs element by element with a channels_last p (same strides), so state
+    dicts to and from torch.optim mean the same thing and training continues on torch's trajectory."""
+    fused_cls, torch_cls, options = pair
+    model = ConvNet().to(device).to(memory_format=torch.channels_last)
+    reference = ConvNet().to(device).to(memory_format=torch.channels_last)
+    reference.load_state_dict(model.state_dict())
+    fused, torch_opt = fused_cls(model.parameters(), **options), torch_cls(reference.parameters(), **options, foreach=False)
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    with tfuse.use_backend(backend):
+        for _ in range(3):
+            x = torch.randn(2, 3, 6, 6, device=device).to(memory_format=torch.channels_last)
+            conv_step(model, fused, x)
+            conv_step(reference, torch_opt, x)
+        assert_same_params(model, reference, torch.float32)
+        assert_same_state(fused, torch_opt, torch.float32)
+        for param in model.parameters():
+            for value in fused.state[param].values():
+                if value.dim():
+                    assert value.stride() == param.stride()
+        # Both ways through checkpoint files, then on together.
+        fresh = fused_cls(model.parameters(), **options)
+        fresh.load_state_dict(saved(torch_opt.state_dict()))
+        torch_again = torch_cls(reference.parameters(), **options, foreach=False)
+        torch_again.load_state_dict(saved(fresh.state_dict()))
+        assert_same_state(fresh, torch_again, torch.float32)
+        for _ in range(2):
+            x = torch.randn(2, 3, 6, 6, device=device).to(memory_format=torch.channels_last)
+            conv_step(model, fresh, x)
+            conv_step(reference, torch_again, x)
+        assert_same_params(model, reference, torch.float32)
+        assert_same_state(fresh, torch_again, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_channels_last_master_weights_are_the_parameters_values(backend, device):
+    model = ConvNet().to(device=device, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    optimizer = FusedAdamW(model.parameters(), lr=1e-2, master_weights=True)
+    with tfuse.use_backend(backend):
+        for _ in range(2):
+            conv_step(model, optimizer, torch.randn(2, 3, 6, 6, device=device, dtype=torch.bfloat16))
+    for param in model.parameters():
+        master = optimizer.state[param]["master_param"]
+        assert master.stride() == param.stride()
+        torch.testing.assert_close(master.to(torch.bfloat16), param.detach(), rtol=0, atol=0)

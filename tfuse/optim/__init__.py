@@ -1,9 +1,14 @@
 """Fused optimizers over flat buffers, and gradient clipping over them.
 
 ``FusedSGD``, ``FusedMomentum``, ``FusedAdam`` and ``FusedAdamW`` are
-``torch.optim.Optimizer`` subclasses with torch's constructors, semantics
-and state-dict format; each flat parameter buffer is updated by one kernel
-launch per step.
+``torch.optim.Optimizer`` subclasses with torch's constructors (positional
+order, ``foreach``/``fused``/``capturable``/``differentiable`` included:
+accepted where tfuse can honour them, refused with a ValueError naming them
+where not), semantics, state-dict format and copy/pickle behaviour. Each flat
+parameter buffer is updated by one Triton kernel launch per step, or, on CPU
+without Triton's interpreter, by torch's fused kernels over whole runs of the
+buffer (the PyTorch path); ``describe()``, ``repr()`` and the first step's
+INFO log say which.
 """
 
 from tfuse.optim.adam import FusedAdam, FusedAdamW

@@ -6,8 +6,16 @@ optimizer state of all its parameters in flat buffers with the parameter
 buffer's layout, so ``exp_avg`` of a parameter is the same element range as
 the parameter, and hands out per-parameter views of them as
 ``optimizer.state[p][name]`` (torch.optim's format). A step is one kernel
-launch per unit on the Triton backend, or a few calls of torch's fused CPU
-kernels over whole contiguous runs of the buffer on the PyTorch backend.
+launch per unit on the Triton backend, or a few calls of torch's fused
+kernels (``torch._fused_adam_`` and friends) over whole contiguous runs of the
+buffer on the PyTorch backend.
+
+torch's fused CPU kernels are not trusted blindly for float16/bfloat16:
+torch 2.13's ``_fused_sgd_`` leaves low-precision parameters unchanged
+(its vectorized loop never stores them). The first low-precision update of a
+kind runs a small probe of torch's kernel against the same kernel on float32
+copies (:func:`native_low_precision_ok`); a kernel that disagrees is routed
+around by computing in float32 and rounding (the Triton kernel's maths).
 """
 
 from __future__ import annotations
@@ -17,14 +25,13 @@ import copy
 import dataclasses
 import itertools
 import logging
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
-from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._backend import Backend, interpreter_active, requested_backend, select_backend
 from tfuse.flat import FlatGroup, FlatParams, owner_of
 
 logger = logging.getLogger(__name__)
@@ -32,10 +39,16 @@ logger = logging.getLogger(__name__)
 BLOCK = 4096  # elements per program; blocks never cross a run's end
 NUM_WARPS = 8
 TORCH_PIECE = 1 << 20  # elements per tensor handed to torch's fused CPU kernels
+UPCAST_BATCH = 8 * TORCH_PIECE  # most elements upcast to float32 at once on the PyTorch path (bounds the copies)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TABLE_CACHE_SIZE = 8
 MASTER_KEY = "master_param"
+# torch.optim's implementation switches; tfuse has one implementation (the fused update).
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+# (torch kernel name, dtype, device type) -> whether torch's fused kernel computes that dtype right.
+_NATIVE_OK: dict[tuple[str, torch.dtype, str], bool] = {}
 
 
 @dataclasses.dataclass
@@ -106,6 +119,13 @@ class _Unit:
         self.positions = np.array([position[id(p)] for p in ordered], dtype=np.int64)
         self.offsets = np.array([flat.offsets[position[id(p)]] for p in ordered], dtype=np.int64)
         self.numels = np.array([p.numel() for p in ordered], dtype=np.int64)
+        # Each parameter's slot keeps its memory format (channels_last...): state views get its strides, so that
+        # optimizer.state[p][name] pairs element by element with p, and the flat update pairs them in memory.
+        shapes, strides = getattr(flat, "shapes", None), getattr(flat, "strides", None)
+        self.geometry = [
+            (tuple(shapes[position]), tuple(strides[position])) if shapes and strides else (tuple(p.shape), None)
+            for p, position in zip(ordered, self.positions.tolist())
+        ]
         # Runs may cross the padding between neighbours, never another parameter.
         self.adjacent_next = np.zeros(len(ordered), dtype=bool)
         self.adjacent_next[:-1] = self.positions[1:] == self.positions[:-1] + 1
@@ -158,7 +178,10 @@ class _Unit:
         """Member ``index``'s view of state buffer ``name`` (or of the master buffer)."""
         buffer = self.master if name == MASTER_KEY else self.buffers[name]
         offset, numel = int(self.offsets[index]), int(self.numels[index])
-        return buffer[offset : offset + numel].view(self.members[index].shape)
+        shape, strides = self.geometry[index]
+        if strides is None:
+            return buffer[offset : offset + numel].view(shape)
+        return buffer.as_strided(shape, strides, buffer.storage_offset() + offset)
 
     def ensure_buffer(self, name: str) -> torch.Tensor:
         if name not in self.buffers:
@@ -216,13 +239,14 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
     _uses_step = True  # per-parameter 'step' in the state (Adam); SGD has none
+    _triton_kernel = ""  # name of the update kernel (for describe() and the log)
 
     def __init__(self, params: Any, defaults: dict[str, Any], master_weights: bool = False) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        self._check_flags(defaults)
         self.master_weights = master_weights
-        self._units: list[_Unit] = []
-        self._owned: list[FlatParams] = []  # FlatParams created by this optimizer
+        self._init_runtime()
         # The constructor's groups are coalesced together (one buffer per device and dtype,
         # so one launch whatever the number of groups); later add_param_group calls coalesce
         # their own new parameters.
@@ -232,10 +256,26 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._coalesce([p for group in self.param_groups for p in group["params"]])
         self._build_units()
 
+    def _init_runtime(self) -> None:
+        """What the optimizer keeps besides torch's defaults/state/param_groups (rebuilt after a copy)."""
+        self._units: list[_Unit] = []
+        self._owned: list[FlatParams] = []  # FlatParams created by this optimizer
+        self._announced: set[tuple] = set()  # (device, dtype, backend) already logged
+        self._constructing = False
+
     # ------------------------------------------------------------------ groups
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raises ValueError (torch's wording) for a bad hyperparameter of ``group``."""
+        raise NotImplementedError
+
+    def _check_flags(self, group: dict[str, Any]) -> None:
+        """Checks torch.optim's implementation switches in ``group`` (see :func:`check_implementation_flags`)."""
+        check_implementation_flags(type(self).__name__, self._torch_class_name(), group)
+
+    @classmethod
+    def _torch_class_name(cls) -> str:
+        """The torch.optim class this one replaces (named in error messages)."""
         raise NotImplementedError
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -270,6 +310,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for name, default in self.defaults.items():
             param_group.setdefault(name, default)
         self._check_group(param_group)
+        self._check_flags(param_group)
         super().add_param_group(param_group)  # leaf check, "appear in more than one parameter group"
         if not self._constructing:
             self._coalesce(self.param_groups[-1]["params"])
@@ -300,11 +341,64 @@ class FlatOptimizer(torch.optim.Optimizer):
             units.append(unit)
         self._units = units
 
+    # ------------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch.optim's picklable state, plus ``master_weights``.
+
+        State tensors are handed out compact (cloned): each is a view of a whole
+        flat state buffer, and pickle would otherwise write the whole buffer once
+        per view. The flat buffers themselves are not part of the state; they are
+        rebuilt by :meth:`__setstate__`.
+        """
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                 for p, entry in self.state.items()}
+        return {**self._raw_state(), "state": state}
+
+    def _raw_state(self) -> dict[str, Any]:
+        # The FlatParams the parameters live in travel along: copied in the same deepcopy call as the
+        # parameters (or unpickled with them), they coalesce the copies again with the same layout, whichever
+        # of the model, the FlatParams and the optimizer the call reaches first.
+        owners = list({id(u.owner): u.owner for u in self._units}.values())
+        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
+                "master_weights": self.master_weights, "flat_params": owners, "owned_flat_params": self._owned}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuilds an optimizer from :meth:`__getstate__`'s state (unpickling, copy.deepcopy).
+
+        As with torch.optim, the copy holds the parameters it was given (the
+        copies a deepcopy or unpickle made); parameters not in a flat buffer yet
+        are coalesced into new ones, and the per-parameter state is copied
+        into the new flat state buffers.
+        """
+        state = dict(state)
+        saved_state = state.pop("state", {})
+        state.pop("flat_params", None)  # they re-registered their (copied) parameters as they were rebuilt
+        owned = state.pop("owned_flat_params", [])
+        state.setdefault("master_weights", False)
         super().__setstate__(state)
+        self._init_runtime()
+        self._owned = list(owned)
         for group in self.param_groups:
             for name, default in self.defaults.items():
                 group.setdefault(name, default)
+        self.state = collections.defaultdict(dict)
+        self._coalesce([p for group in self.param_groups for p in group["params"]])
+        self._build_units()
+        place = {id(p): (unit, index) for unit in self._units for index, p in enumerate(unit.members)}
+        for param, entry in saved_state.items():
+            where = place.get(id(param))
+            if where is not None and entry:
+                self.state[param] = self._adopt(*where, entry)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatOptimizer:
+        """A deep copy like torch.optim's: copies of the parameters (shared with whatever else
+        the same ``copy.deepcopy`` call copies, e.g. the model), copies of the state."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        # The views go to deepcopy as they are: it copies each flat buffer's storage once.
+        copied.__setstate__(copy.deepcopy(self._raw_state(), memo))
+        return copied
 
     # ------------------------------------------------------------------ step
 
@@ -323,9 +417,6 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         raise NotImplementedError
 
-    def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
     def _kernel_meta(self, unit: _Unit, table: BlockTable, grad_scale: torch.Tensor | None) -> dict[str, Any]:
         """Compile-time arguments every update kernel takes."""
         return dict(
@@ -334,31 +425,79 @@ class FlatOptimizer(torch.optim.Optimizer):
             END_ALIGN=table.end_align, num_warps=NUM_WARPS,
         )
 
-    def _torch_runs(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None):
-        """For the torch path: per coefficient row, (spec, spans, parameter slices, gradient slices).
+    # ------------------------------------------------------------------ the PyTorch path
 
-        Slices cover whole runs of the flat buffers. With master weights the
-        parameters are the float32 masters and the gradients float32 copies;
-        after the caller's update (when the generator resumes) the rounded
-        parameters, and the unscaled gradients under AMP, are written back.
+    def _torch_kernel(self, group: dict[str, Any]) -> str:
+        """Name of the torch fused kernel (``torch._fused_adam_``...) that updates ``group`` on the PyTorch path."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _torch_state_names(spec: dict[str, Any]) -> tuple[str, ...]:
+        """State buffers the torch kernel of a coefficient row reads and writes."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _torch_call(spec: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
+        """One call of torch's fused kernel ``spec["kernel"]`` over lists of slices (updated in place)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _probe_specs(kernel: str) -> list[list[dict[str, Any]]]:
+        """Step sequences (specs as :meth:`_row` makes them) the probe of ``kernel`` runs."""
+        raise NotImplementedError
+
+    def _upcasts(self, unit: _Unit, kernel: str) -> bool:
+        """Whether the PyTorch path computes this unit's update on float32 copies.
+
+        With master weights it always does (on the masters). Low-precision
+        parameters without masters go through float32 only when torch's fused
+        kernel for their dtype failed the probe (torch 2.13's ``_fused_sgd_`` does).
+        """
+        if unit.master_weights:
+            return True
+        return unit.dtype in _LOW_PRECISION and not native_low_precision_ok(type(self), kernel, unit.dtype, unit.device)
+
+    def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
+        """torch's fused kernels over whole runs of the flat buffers (one call per coefficient row).
+
+        Runs are cut into pieces of TORCH_PIECE elements: torch's fused CPU kernels
+        parallelize over a list of tensors better than inside one huge tensor
+        (measured: ResNet-50's 25.6M elements in one tensor 14.5 ms, in 1M pieces
+        10.7 ms, 2 cores). When the update goes through float32 (master weights, or
+        a low-precision dtype torch's kernel gets wrong), at most UPCAST_BATCH elements
+        are upcast at a time; the parameters, the low-precision state and, under AMP,
+        the unscaled gradients are written back rounded to nearest even.
         """
         by_row: dict[int, list[tuple[int, int]]] = {}
         for start, end, row in table.runs:
-            # Pieces of ~1M elements: torch's fused CPU kernels parallelize over a list of
-            # tensors better than inside one huge tensor (measured: ResNet-50's 25.6M elements
-            # in one tensor 14.5 ms, in 1M pieces 10.7 ms, 2 cores).
             by_row.setdefault(row, []).extend((s, min(s + TORCH_PIECE, end)) for s in range(start, end, TORCH_PIECE))
-        target = unit.master if unit.master_weights else unit.data
+        scale = None if grad_scale is None else grad_scale.to(torch.float32)
         for row, spans in by_row.items():
-            grads = [unit.grad[s:e] for s, e in spans]
-            if unit.master_weights:
-                grads = [g.float() for g in grads]
-            yield specs[row], spans, [target[s:e] for s, e in spans], grads
-            if unit.master_weights:
-                for (s, e), grad in zip(spans, grads):
-                    unit.data[s:e].copy_(unit.master[s:e])
+            spec = specs[row]
+            names = self._torch_state_names(spec)
+            if not self._upcasts(unit, spec["kernel"]):
+                self._torch_call(
+                    spec, [unit.data[s:e] for s, e in spans], [unit.grad[s:e] for s, e in spans],
+                    {name: [unit.buffers[name][s:e] for s, e in spans] for name in names}, scale,
+                )
+                continue
+            for batch in _batches(spans, UPCAST_BATCH):
+                if unit.master_weights:
+                    params = [unit.master[s:e] for s, e in batch]
+                else:
+                    params = [unit.data[s:e].float() for s, e in batch]
+                grads = [unit.grad[s:e].float() for s, e in batch]
+                states = {name: [unit.buffers[name][s:e].float() for s, e in batch] for name in names}
+                self._torch_call(spec, params, grads, states, scale)
+                for index, (s, e) in enumerate(batch):
+                    unit.data[s:e].copy_(params[index])
                     if grad_scale is not None:
-                        unit.grad[s:e].copy_(grad)
+                        unit.grad[s:e].copy_(grads[index])
+                    for name in names:
+                        buffer = unit.buffers[name]
+                        if buffer.dtype != torch.float32:  # float32 state (masters): updated in place already
+                            buffer[s:e].copy_(states[name][index])
 
     def _merge_runs(self) -> bool:
         """Whether runs may cross padding (the update must keep zero padding at zero)."""
@@ -425,6 +564,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._launch(unit, table, torch.tensor(rows, dtype=torch.float64).to(unit.device, non_blocking=True), grad_scale)
         else:
             self._torch_update(unit, table, specs, grad_scale)
+        self._announce(unit, backend)
         if unit.master_weights:
             unit.versions[active] = [p._version for p, on in zip(members, active) if on]
 
@@ -503,6 +643,10 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         Values are copied into the flat state buffers (the loaded tensors are
         not adopted); hyperparameters come from the state dict, as in torch.
+        torch's implementation switches (``foreach``, ``fused``, ``capturable``,
+        ``differentiable``) stay this optimizer's own: they say how the saving
+        optimizer ran, not what the state is, and a checkpoint of a
+        ``capturable=True`` torch optimizer loads like any other.
         Raises ValueError for a different number of groups, a group of a
         different size, or a state tensor whose shape differs from its
         parameter's.
@@ -538,6 +682,11 @@ class FlatOptimizer(torch.optim.Optimizer):
                 saved["param_names"] = group["param_names"]
             for name, default in self.defaults.items():
                 saved.setdefault(name, default)
+            for flag in IMPLEMENTATION_FLAGS:  # how this optimizer runs is its own, not the saver's
+                if flag in group:
+                    saved[flag] = group[flag]
+                else:
+                    saved.pop(flag, None)
             self._check_group(saved)
             new_groups.append(saved)
         self.param_groups = new_groups
@@ -589,14 +738,201 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ report
 
+    def _route(self, unit: _Unit, backend: Backend) -> str:
+        """How ``backend`` updates ``unit`` each step, in words."""
+        if backend is Backend.TRITON:
+            return f"the Triton kernel {self._triton_kernel} (one launch per flat buffer)"
+        kernels = sorted({self._torch_kernel(group) for group in self.param_groups})
+        routes = []
+        for kernel in kernels:
+            if unit.master_weights:
+                routes.append(f"torch.{kernel} on the float32 master weights")
+            elif self._upcasts(unit, kernel):
+                routes.append(f"torch.{kernel} on float32 copies rounded to {_name(unit.dtype)}, as torch's "
+                              f"{_name(unit.dtype)} kernel on {unit.device.type} failed tfuse's check")
+            else:
+                routes.append(f"torch.{kernel}")
+        return f"the PyTorch path ({', '.join(routes)}; no Triton kernel runs)"
+
+    def _backend_of(self, unit: _Unit) -> tuple[Backend | None, str]:
+        try:
+            backend = select_backend(unit.device, type(self).__name__)
+        except RuntimeError as error:  # the Triton backend forced where it cannot run: step() raises this
+            return None, f"no backend ({error})"
+        return backend, self._route(unit, backend)
+
+    def _announce(self, unit: _Unit, backend: Backend) -> None:
+        """Logs once, at INFO, which backend serves the updates of a flat buffer."""
+        key = (unit.device, unit.dtype, backend)
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        logger.info("%s: the %s %s flat buffer (%d parameters) is updated by %s [%s]", type(self).__name__,
+                    unit.device, _name(unit.dtype), len(unit.members), self._route(unit, backend),
+                    _why(backend, unit.device))
+
+    def _service(self) -> str:
+        """What serves a step now: Triton launches per step, and the route of each flat buffer."""
+        routes: dict[str, list[_Unit]] = {}
+        launches = 0
+        for unit in self._units:
+            backend, route = self._backend_of(unit)
+            launches += backend is Backend.TRITON
+            routes.setdefault(route, []).append(unit)
+        parts = [
+            route if len(routes) == 1 else f"{', '.join(f'{u.device} {_name(u.dtype)}' for u in units)} by {route}"
+            for route, units in routes.items()
+        ]
+        return f"{launches} Triton launch{'es' if launches != 1 else ''} per step; served by {'; '.join(parts)}"
+
     def describe(self) -> str:
-        """One line: how many flat buffers the optimizer updates, with how many parameters."""
+        """One line: the flat buffers the optimizer updates, and what serves each step.
+
+        Says which backend runs the update of each buffer as things stand now
+        (``TFUSE_BACKEND``, ``tfuse.use_backend``, the device and the Triton
+        interpreter decide): the Triton kernel, one launch per buffer per step,
+        or the PyTorch path (torch's fused kernels; no Triton kernel runs).
+        """
         params = sum(len(u.members) for u in self._units)
         elements = sum(int(u.numels.sum()) for u in self._units)
-        launches = len(self._units)
-        return (
-            f"{type(self).__name__}: {params} parameters ({elements} elements) in {launches} flat buffer"
-            f"{'s' if launches != 1 else ''}, {launches} update launch{'es' if launches != 1 else ''} per step"
+        buffers = len(self._units)
+        return (f"{type(self).__name__}: {params} parameters ({elements} elements) in {buffers} flat "
+                f"buffer{'s' if buffers != 1 else ''}, {self._service()}")
+
+    def __repr__(self) -> str:
+        """torch.optim's repr, with a first line saying what serves the step (see :meth:`describe`)."""
+        text = super().__repr__()
+        head = type(self).__name__ + " ("
+        return f"{head}\nStep: {self._service()}{text[len(head):]}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _why(backend: Backend, device: torch.device) -> str:
+    """Why ``backend`` serves tensors of ``device`` (the rules of tfuse._backend)."""
+    forced = requested_backend()
+    if forced is not None:
+        return f"forced: backend {forced.value!r} requested (tfuse.use_backend or TFUSE_BACKEND)"
+    if backend is Backend.TRITON:
+        return "CUDA tensors" if device.type == "cuda" else f"{device.type} tensors through Triton's interpreter"
+    if device.type == "cpu":
+        return "CPU tensors without TRITON_INTERPRET=1"
+    return f"no Triton kernels for device type {device.type}"
+
+
+def _batches(spans: list[tuple[int, int]], limit: int) -> Iterable[list[tuple[int, int]]]:
+    """Consecutive spans in lists of at most ``limit`` elements (at least one span each)."""
+    batch: list[tuple[int, int]] = []
+    size = 0
+    for span in spans:
+        length = span[1] - span[0]
+        if batch and size + length > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(span)
+        size += length
+    if batch:
+        yield batch
+
+
+def native_low_precision_ok(optimizer: type[FlatOptimizer], kernel: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's fused ``kernel`` updates ``dtype`` tensors on ``device``'s type correctly.
+
+    Checked once per process and (kernel, dtype, device type): a few steps of
+    the option sets of ``optimizer._probe_specs(kernel)`` on a 331-element
+    tensor (vector bodies of every CPU ISA and a tail), with and without a grad
+    scale, against the same kernel on float32 copies rounded back to ``dtype``.
+    Parameters, state and unscaled gradients must agree within 2 units in the
+    last place. torch 2.13's ``_fused_sgd_`` fails it on CPU for float16 and
+    bfloat16: it leaves the parameters unchanged.
+    """
+    if device.type == "meta":
+        return True  # nothing is computed on the meta device
+    key = (kernel, dtype, device.type)
+    ok = _NATIVE_OK.get(key)
+    if ok is None:
+        with torch.no_grad():
+            ok = _probe(optimizer, kernel, dtype, device)
+        _NATIVE_OK[key] = ok
+        if not ok:
+            logger.info(
+                "tfuse: torch.%s gives wrong results for %s tensors on %s (torch %s); tfuse computes these "
+                "updates on float32 copies and rounds them instead", kernel, _name(dtype), device.type, torch.__version__,
+            )
+    return ok
+
+
+def _probe(optimizer: type[FlatOptimizer], kernel: str, dtype: torch.dtype, device: torch.device) -> bool:
+    generator = torch.Generator().manual_seed(0)  # never the global generator: the user's randomness stays theirs
+    n = 331
+    finfo = torch.finfo(dtype)
+
+    def random(scale: float = 1.0, positive: bool = False) -> torch.Tensor:
+        values = torch.randn(n, generator=generator) * scale
+        return (values.abs() if positive else values).to(device=device, dtype=dtype)
+
+    def agree(native: torch.Tensor, reference: torch.Tensor) -> bool:
+        return bool(torch.isclose(native.float(), reference.float(), rtol=2 * finfo.eps, atol=finfo.tiny).all())
+
+    for sequence in optimizer._probe_specs(kernel):
+        for grad_scale in (None, torch.tensor(8.0, device=device)):
+            names = optimizer._torch_state_names(sequence[0])
+            param = random()
+            states = {name: random(0.1, positive=True) for name in names}
+            for spec in sequence:
+                grad = random(1.0 if grad_scale is None else 8.0)
+                native = [param.clone()], [grad.clone()], {k: [v.clone()] for k, v in states.items()}
+                optimizer._torch_call(spec, *native, grad_scale)
+                upcast = [param.float()], [grad.float()], {k: [v.float()] for k, v in states.items()}
+                optimizer._torch_call(spec, *upcast, grad_scale)
+                param, grad = upcast[0][0].to(dtype), upcast[1][0].to(dtype)
+                states = {k: v[0].to(dtype) for k, v in upcast[2].items()}
+                if not agree(native[0][0], param) or (grad_scale is not None and not agree(native[1][0], grad)):
+                    return False
+                if not all(agree(native[2][k][0], states[k]) for k in names):
+                    return False
+    return True
+
+
+def check_implementation_flags(name: str, torch_name: str, group: dict[str, Any]) -> None:
+    """Checks torch.optim's implementation switches: accepts those tfuse honours, refuses the others.
+
+    * ``foreach`` (None or a bool): accepted and ignored. It picks among torch's
+      for-loop and multi-tensor implementations, which compute the same update;
+      tfuse has one implementation, the fused update of whole flat buffers.
+    * ``fused``: None or True (tfuse is always fused). False asks for an
+      implementation tfuse does not have: ValueError.
+    * ``fused=True`` with ``foreach=True``: torch's RuntimeError.
+    * ``differentiable=True``, ``capturable=True``: ValueError (see the messages).
+    """
+    foreach = group.get("foreach")
+    fused = group.get("fused")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"{name}: foreach must be None or a bool, got {foreach!r}")
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"{name}: fused must be None or a bool, got {fused!r}")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if fused is False:
+        raise ValueError(
+            f"{name}: fused=False asks for one of torch's non-fused implementations, which tfuse does not have: "
+            f"{name} always updates whole flat buffers with one fused update per buffer. Pass fused=None or "
+            f"fused=True (foreach is accepted and ignored), or use {torch_name} for its for-loop implementation."
+        )
+    if group.get("differentiable"):
+        raise ValueError(
+            f"{name}: differentiable=True is not supported: the fused update runs outside autograd (under "
+            f"torch.no_grad), so no gradient flows through step(). Use {torch_name}(..., differentiable=True) to "
+            "differentiate through optimizer steps."
+        )
+    if group.get("capturable"):
+        raise ValueError(
+            f"{name}: capturable=True is not supported yet: tfuse reads the step counts and hyperparameters on the "
+            "host at every step (the 'step' state is a CPU tensor, as with torch's capturable=False), so step() "
+            f"cannot be captured in a CUDA graph. Use capturable=False (the default), or {torch_name}(..., "
+            "capturable=True) to capture the optimizer step."
         )
 
 

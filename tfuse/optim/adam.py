@@ -28,20 +28,39 @@ class FusedAdam(FlatOptimizer):
     Args:
         params: parameters or parameter groups, as for torch.optim.
         lr: learning rate, a float or a 0-dim tensor (read once per step).
-        betas: coefficients of the running averages of the gradient and its square.
+        betas: coefficients of the running averages of the gradient and its
+            square (both floats or both 1-element tensors, as in torch).
         eps: added to the denominator.
         weight_decay: L2 penalty (decoupled, as AdamW, when ``decoupled_weight_decay``).
         amsgrad: use the maximum of past second moments.
+        foreach: accepted for compatibility and ignored: it picks among
+            torch's for-loop and multi-tensor implementations, which compute
+            the same update; tfuse has one, the fused update of whole buffers.
         maximize: maximize the objective.
+        capturable: must be False (CUDA-graph capture of the step is not
+            supported: step counts and hyperparameters are read on the host).
+        differentiable: must be False (the update runs outside autograd).
+        fused: None or True; tfuse is always fused. False is refused (use
+            ``torch.optim.Adam`` for torch's non-fused implementations).
         decoupled_weight_decay: AdamW's decay ``p *= 1 - lr * weight_decay``.
         master_weights: for float16/bfloat16 parameters, keep float32 master
             copies (and float32 state) in their own flat buffer; the same launch
             updates the master and writes the rounded parameter. Saved in the
             state dict as ``master_param``.
 
+    Positional arguments bind as in ``torch.optim.Adam``; everything after
+    ``amsgrad`` is keyword-only, as there. Without master weights, float16 and
+    bfloat16 parameters are updated in float32 and rounded to nearest even,
+    their state kept in their own dtype (torch's fused kernels do the same).
+
     With ``torch.amp.GradScaler``, the scale is divided out inside the update
     kernel (no separate unscale pass); a step with inf/NaN gradients is
     skipped without any state change (the flag is read on the host).
+
+    ``copy.deepcopy`` and pickling work as for torch.optim: the copy holds
+    copies of the parameters (those of the model copy when both are copied
+    together, e.g. ``copy.deepcopy({"model": model, "optimizer": optimizer})``)
+    and coalesces them into flat buffers of its own.
 
     Example:
         >>> import torch
@@ -55,25 +74,38 @@ class FusedAdam(FlatOptimizer):
         ['exp_avg', 'exp_avg_sq', 'step']
     """
 
+    _triton_kernel = "_adam_kernel"
+
     def __init__(
         self,
         params: Any,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         master_weights: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
         self._check_group(defaults)
+        _check_betas_types(betas)
+        defaults["betas"] = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
         super().__init__(params, defaults, master_weights)
+
+    @classmethod
+    def _torch_class_name(cls) -> str:
+        return "torch.optim.Adam"
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
@@ -112,8 +144,8 @@ class FusedAdam(FlatOptimizer):
             -1.0 if group["maximize"] else 1.0,
             1.0 if group["amsgrad"] else 0.0,
         ]
-        spec = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=bool(group["amsgrad"]),
-                    maximize=bool(group["maximize"]), decoupled=decoupled, step=step)
+        spec = dict(kernel=self._torch_kernel(group), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                    eps=eps, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]), step=step)
         return row, spec
 
     def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
@@ -133,27 +165,53 @@ class FusedAdam(FlatOptimizer):
             unit.device,
         )
 
-    def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
-        """torch's fused CPU Adam over whole runs of the flat buffers (one call per coefficient row)."""
-        for spec, spans, params, grads in self._torch_runs(unit, table, specs, grad_scale):
-            exp_avgs = [unit.buffers["exp_avg"][s:e] for s, e in spans]
-            exp_avg_sqs = [unit.buffers["exp_avg_sq"][s:e] for s, e in spans]
-            maxes = [unit.buffers["max_exp_avg_sq"][s:e] for s, e in spans] if spec["amsgrad"] else []
-            # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
-            step = torch.tensor(float(spec["step"]), dtype=torch.float32, device=unit.device)
-            fused = torch._fused_adamw_ if spec["decoupled"] else torch._fused_adam_
-            fused(
-                params, grads, exp_avgs, exp_avg_sqs, maxes, [step] * len(spans),
-                lr=spec["lr"], beta1=spec["beta1"], beta2=spec["beta2"], weight_decay=spec["weight_decay"],
-                eps=spec["eps"], amsgrad=spec["amsgrad"], maximize=spec["maximize"],
-                grad_scale=None if grad_scale is None else grad_scale.to(torch.float32),
-            )
+    # The PyTorch path: torch's fused Adam/AdamW over whole runs of the flat buffers.
+
+    def _torch_kernel(self, group: dict[str, Any]) -> str:
+        return "_fused_adamw_" if group["decoupled_weight_decay"] else "_fused_adam_"
+
+    @staticmethod
+    def _torch_state_names(spec: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if spec["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    @staticmethod
+    def _torch_call(spec: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
+        # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
+        step = torch.tensor(float(spec["step"]), dtype=torch.float32, device=params[0].device)
+        getattr(torch, spec["kernel"])(
+            params, grads, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq", []),
+            [step] * len(params), lr=spec["lr"], beta1=spec["beta1"], beta2=spec["beta2"],
+            weight_decay=spec["weight_decay"], eps=spec["eps"], amsgrad=spec["amsgrad"], maximize=spec["maximize"],
+            grad_scale=grad_scale,
+        )
+
+    @staticmethod
+    def _probe_specs(kernel: str) -> list[list[dict[str, Any]]]:
+        # Every option changes the result by many ulps of float16 and bfloat16 (2 ulps pass the check).
+        plain = dict(kernel=kernel, lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                     maximize=False)
+        every = dict(plain, lr=0.2, beta1=0.5, beta2=0.9, weight_decay=0.5, eps=1e-3, amsgrad=True, maximize=True)
+        return [[dict(plain, step=s) for s in (1, 2)], [dict(every, step=s) for s in (1, 2, 3)]]
+
+
+def _check_betas_types(betas: Any) -> None:
+    """torch.optim.Adam's constructor checks of tensor betas, in its words."""
+    if not (
+        (isinstance(betas[0], float) and isinstance(betas[1], float))
+        or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))
+    ):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for index in (0, 1):
+        if isinstance(betas[index], torch.Tensor) and betas[index].numel() != 1:
+            raise ValueError(f"Tensor betas[{index}] must be 1-element")
 
 
 class FusedAdamW(FusedAdam):
     """AdamW (decoupled weight decay, default 1e-2) over flat buffers; see :class:`FusedAdam`.
 
-    Matches ``torch.optim.AdamW``; its state dicts load both ways.
+    Matches ``torch.optim.AdamW`` (same positional and keyword arguments,
+    plus ``master_weights``); its state dicts load both ways.
 
     Example:
         >>> import torch
@@ -168,15 +226,23 @@ class FusedAdamW(FusedAdam):
         self,
         params: Any,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         master_weights: bool = False,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True,
-            master_weights=master_weights,
+            params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
+            differentiable=differentiable, fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
         )
+
+    @classmethod
+    def _torch_class_name(cls) -> str:
+        return "torch.optim.AdamW"
