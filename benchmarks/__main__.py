@@ -1,5 +1,9 @@
 """Runs tfuse's benchmarks: ``python -m benchmarks [--only NAME] [--quick] [--no-compile] [--out DIR]``.
 
+A run writes its tables and plots to a scratch folder (printed; by default
+``<tmp>/tfuse-benchmarks``), never over the measured tables committed in
+``benchmarks/results/``: replacing those is an explicit ``--out benchmarks/results``.
+
 On a machine without a GPU, Triton's interpreter is switched on before
 triton is imported, so the benchmarks can check the kernels' values and count
 their launches; they time only what is meaningful on a CPU.
@@ -11,6 +15,8 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -18,12 +24,20 @@ import torch
 BENCHMARKS = ["add", "add_act", "linear", "bn_act", "optim", "allreduce"]  # module names under benchmarks/, each with NAME and run()
 
 
+def default_out_dir() -> Path:
+    """Where a run writes when --out is not given: a scratch folder, not the committed benchmarks/results/."""
+    return Path(tempfile.gettempdir()) / "tfuse-benchmarks"
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", choices=BENCHMARKS, help="run only this benchmark (repeatable)")
     parser.add_argument("--quick", action="store_true", help="few sizes and short timings: a smoke run")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default: {default_out_dir()}); "
+                             "`--out benchmarks/results` replaces the committed tables")
     return parser.parse_args(argv)
 
 
@@ -31,27 +45,39 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    from .harness import RESULTS_DIR, Context, copy_bandwidth_gbps, describe_machine
+    from .harness import RESULTS_DIR, Context, copy_bandwidth_gbps, describe_machine, single_thread_copy_gbps
 
+    out_dir = args.out or default_out_dir()
     machine = describe_machine()
     print(machine.header())
     if not machine.on_gpu:
         print("No GPU: Triton kernels run through the interpreter, for values and launch counts only; "
               "interpreter timings are not performance.")
+    replacing = out_dir.resolve() == RESULTS_DIR.resolve()
+    print(f"Writing tables and plots to {out_dir}" + (" (replacing the committed tables)" if replacing else
+                                                       " (--out benchmarks/results replaces the committed tables)"))
+    started = time.perf_counter()
     context = Context(
         machine=machine,
         copy_gbps=copy_bandwidth_gbps(machine.device, args.quick),
         quick=args.quick,
         use_compile=not args.no_compile,
+        stall_reference_gbps=single_thread_copy_gbps(machine.device),
     )
-    out_dir = args.out or RESULTS_DIR
+    if machine.load is not None and not machine.on_gpu and machine.load > 0.5:
+        print(f"Load average {machine.load:.2f}: other processes are running, so expect rows marked noisy or "
+              "stalled; a quiet machine gives results.", file=sys.stderr)
     for name in args.only or BENCHMARKS:
+        begin = time.perf_counter()
+        print(f"== {name}: running", file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
         report = module.run(context)
         print()
         print(report.markdown(machine))
         for path in report.write(machine, out_dir):
             print(f"wrote {path}")
+        print(f"== {name}: done in {time.perf_counter() - begin:.0f} s", file=sys.stderr, flush=True)
+    print(f"All done in {time.perf_counter() - started:.0f} s; tables and plots in {out_dir}")
     return 0
 
 

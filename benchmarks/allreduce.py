@@ -29,7 +29,7 @@ import datetime
 import json
 import multiprocessing
 import os
-import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,13 +39,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .harness import Column, Context, Report
+from .harness import (
+    CANARY_BYTES, CHECK_COLUMN, NOISY_REL_IQR, Column, Context, Flag, Report, Timing, check_stall, check_timing, copy_reference,
+    difference, worse_flag,
+)
 
 NAME = "allreduce"
 WORLD_SIZE = 2
 BUCKET_MB_SWEEP = (1, 4, 16, 25, 64)
 COUNT_CAP_SWEEP = (1, 8, 32, 128)
 DDP_BUCKET_MB = 25
+CANARY = "copy canary"
 
 
 @dataclasses.dataclass
@@ -190,26 +194,42 @@ def _cnn_configs(device: torch.device, quick: bool) -> list[_Config]:
     ]
 
 
-def _time_configs(configs: list[_Config], device: torch.device, rounds: int, iterations: int) -> list[float]:
-    """Median over rounds x iterations of the slowest rank's time per step, in ms, per config."""
+def _canary(device: torch.device) -> _Config:
+    """A copy timed in the same rounds (CPU runs): far slower than on an idle core, it shows a stalled machine."""
+    copy, _ = copy_reference(CANARY_BYTES, device)
+    return _Config(CANARY, "canary", copy, lambda: None)
+
+
+def _time_configs(configs: list[_Config], device: torch.device, rounds: int, iterations: int) -> list[list[float]]:
+    """Per config, the slowest rank's time of every timed step (ms): rounds x iterations samples.
+
+    Rounds cycle through every configuration, each round starting from the next
+    one, so drift on a shared machine hits them all alike.
+    """
     for config in configs:  # warm-up (DDP rebuilds its buckets after its first iteration)
         for _ in range(2):
             config.step()
-    times = [[] for _ in configs]
-    for _ in range(rounds):
-        for index, config in enumerate(configs):
+    times: list[list[float]] = [[] for _ in configs]
+    start = time.perf_counter()
+    for round_index in range(rounds):
+        if dist.get_rank() == 0:
+            print(f"[allreduce round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
+                  f"{len(configs)} configurations x {iterations} steps", file=sys.stderr, flush=True)
+        shift = round_index % len(configs)
+        for index in list(range(shift, len(configs))) + list(range(shift)):
+            config = configs[index]
             for _ in range(iterations):
                 dist.barrier()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                start = time.perf_counter()
+                begin = time.perf_counter()
                 config.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times[index].append((time.perf_counter() - start) * 1e3)
+                times[index].append((time.perf_counter() - begin) * 1e3)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return [statistics.median(row) for row in slowest.cpu().tolist()]
+    return slowest.cpu().tolist()
 
 
 def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: str, quick: bool) -> None:
@@ -227,12 +247,14 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: st
                             timeout=datetime.timedelta(seconds=300))
     try:
         shapes = tiny_shapes() if quick else resnet50_shapes()
-        rounds, iterations = (1, 2) if quick else (5, 4)
+        rounds, iterations = (3, 2) if quick else (7, 3)
         configs = _sync_configs(shapes, device) + _cnn_configs(device, quick)
-        medians = _time_configs(configs, device, rounds, iterations)
+        if backend == "gloo":
+            configs.append(_canary(device))
+        samples = _time_configs(configs, device, rounds, iterations)
         rows = [
-            {"panel": c.panel, "label": c.label, "calls": c.calls(), "ms": ms, "x": c.x, "sweep": c.sweep}
-            for c, ms in zip(configs, medians)
+            {"panel": c.panel, "label": c.label, "calls": c.calls(), "samples": times, "x": c.x, "sweep": c.sweep}
+            for c, times in zip(configs, samples)
         ]
         if rank == 0:
             Path(out_file).write_text(json.dumps({"rows": rows, "tensors": len(shapes), "rounds": rounds,
@@ -262,19 +284,63 @@ def _launch(backend: str, quick: bool) -> dict[str, Any]:
         return json.loads(Path(out_file).read_text())
 
 
+def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> None:
+    """Medians, spreads and flags of the rows (in place); removes the canary row, flagging every row if it stalled.
+
+    A rank runs one torch thread on a CPU, so its canary copy is set against the
+    same copy on one thread measured at the start.
+    """
+    timings = {row["label"]: Timing(tuple(row.pop("samples"))) for row in rows}
+    stall = None
+    canary = next((row for row in rows if row["label"] == CANARY), None)
+    if canary is not None:
+        rows.remove(canary)
+        stall = check_stall(timings[CANARY], stall_reference_gbps)
+    for row in rows:
+        timing = timings[row["label"]]
+        row["ms"] = row["step_ms"] = timing.median
+        row["ms_range"] = row["step_ms_range"] = timing.quartiles
+        row["flags"] = {}
+        flag = stall or check_timing("step", timing)
+        if flag is not None:
+            row["flags"]["ms"] = row["flags"]["step_ms"] = flag
+    by_label = {row["label"]: row for row in rows}
+    baseline = {row["panel"]: row for row in rows if row["calls"] == 0}
+    ddp = {"resnet50-sync": by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"],
+           "cnn-step": by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD"]}
+    for row in rows:
+        if row["calls"] == 0:
+            row["sync_ms"] = row["vs_ddp"] = None
+            continue
+        base, reference = baseline[row["panel"]], ddp[row["panel"]]
+        # The difference's own check weighs both rows' spreads; only an implausible step (a stall) carries over.
+        row["sync_ms"], flag = difference(timings[row["label"]], timings[base["label"]], "sync")
+        for other in (_from(row, row), _from(base, row)):
+            if other is not None and other.kind == "implausible":
+                flag = worse_flag(flag, other)
+        if flag is not None:
+            row["flags"]["sync_ms"] = flag
+        row["vs_ddp"] = row["ms"] / reference["ms"]
+        flag = worse_flag(row["flags"].get("ms"), _from(reference, row))
+        if flag is not None:
+            row["flags"]["vs_ddp"] = flag
+
+
+def _from(other: dict[str, Any], row: dict[str, Any]) -> Flag | None:
+    """``other``'s step flag as seen from ``row`` (named after ``other`` unless it is the same row or a stall)."""
+    flag = other["flags"].get("ms")
+    if flag is None or other is row or flag.reason.startswith("stalled"):
+        return flag
+    return Flag(flag.kind, f"'{other['label']}' {flag.reason}")
+
+
 def run(ctx: Context) -> Report:
     multi_gpu = ctx.machine.on_gpu and torch.cuda.device_count() >= WORLD_SIZE
     backend = "nccl" if multi_gpu else "gloo"
     result = _launch(backend, ctx.quick)
     rows = result["rows"]
-    by_label = {row["label"]: row for row in rows}
-    baseline = {panel: next(r["ms"] for r in rows if r["panel"] == panel and r["calls"] == 0) for panel in ("resnet50-sync", "cnn-step")}
-    ddp_sync = by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"]["ms"]
-    ddp_cnn = by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD"]["ms"]
-    for row in rows:
-        row["sync_ms"] = row["ms"] - baseline[row["panel"]] if row["calls"] != 0 else None
-        reference = ddp_sync if row["panel"] == "resnet50-sync" else ddp_cnn
-        row["vs_ddp"] = row["ms"] / reference if row["calls"] != 0 else None
+    _finish(rows, ctx.stall_reference_gbps)
+    ddp_sync = next(row["ms"] for row in rows if row["label"] == f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}")
     shapes = "tiny shapes (--quick)" if ctx.quick else "ResNet-50"
     for row in rows:
         row["what"] = f"{shapes} gradients, cheap forward" if row["panel"] == "resnet50-sync" else "small CNN training step"
@@ -285,27 +351,37 @@ def run(ctx: Context) -> Report:
         f"Sync rows: {shapes} gradient shapes ({result['tensors']} float32 tensors, {result['mbytes']:.1f} MB); "
         "forward = each parameter times a scalar, summed, so a step is mostly backward + gradient synchronisation. "
         "step ms = zero_grad + forward + backward + synchronisation (the all-reduces tfuse and DDP overlap with "
-        "backward); sync ms = step ms minus the 'backward only' row.",
-        "CNN rows: a whole training step (zero_grad, forward, cross-entropy, backward, SGD momentum 0.9) of a "
-        "3-conv CNN on a 32x3x32x32 batch per rank.",
-        f"Every iteration's time is the slowest rank's; the median over {result['rounds']} rounds x "
-        f"{result['iterations']} iterations, rounds cycling "
-        "through all configurations. calls = all-reduce calls per step (DDP: its buckets after the rebuild).",
+        "backward); sync ms = step ms minus the 'backward only' row (flagged when it is within the two rows' "
+        "spread, or below zero by more than it).",
+        f"CNN rows: a whole training step (zero_grad, forward, cross-entropy, backward, SGD momentum 0.9) of a "
+        f"3-conv CNN on a {8 if ctx.quick else 32}x3x32x32 batch per rank.",
+        f"Every step's time is the slowest rank's; a time is the median over {result['rounds']} rounds x "
+        f"{result['iterations']} steps, ± half the interquartile range relative to it, rounds cycling through all "
+        "configurations from a different start each (so drift on a shared machine hits them all alike). "
+        "calls = all-reduce calls per step (DDP: its buckets after the rebuild).",
         "vs DDP = step time / the DDP row of the same block (below 1: faster than DDP).",
     ]
     if backend == "gloo":
         notes.append(
             "CPU run: both ranks, their gloo threads and backward share the same cores, so overlapping "
-            "communication with backward buys less than on GPUs, where NCCL runs beside the compute."
+            "communication with backward buys less than on GPUs, where NCCL runs beside the compute. "
+            f"A {CANARY_BYTES >> 20} MiB copy per rank, timed in the same rounds, checks that the machine did not stall "
+            "(a stalled row is marked implausible)."
         )
     columns = [
         Column("what", "what"), Column("label", "configuration"), Column("calls", "all-reduce calls"),
-        Column("ms", "step ms", "{:.1f}"), Column("sync_ms", "sync ms", "{:.1f}"), Column("vs_ddp", "vs DDP", "{:.2f}x"),
+        Column("ms", "step ms", "{:.1f}", spread=True), Column("sync_ms", "sync ms", "{:.1f}"),
+        Column("vs_ddp", "vs DDP", "{:.2f}x"), CHECK_COLUMN,
     ]
-    plotted = [dict(row, plot=bool(row["sweep"]), step_ms=row["ms"]) for row in rows]
+    plotted = [dict(row, plot=bool(row["sweep"])) for row in rows]
     return Report(
         name=NAME, title="Gradient all-reduce: per-tensor vs tfuse FusedDataParallel vs torch DDP",
         notes=notes, columns=columns, rows=plotted, plot_panels="sweep", plot_x="x",
         plot_lines=[("step_ms", "tfuse FusedDataParallel step")], plot_xlabel="bucket_mb / max_params_per_bucket",
         plot_ylabel="ms per step", reference_line=(ddp_sync, f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"),
+        timing_note=(
+            f"Timing: see the notes above. A number marked (noisy) has an interquartile range over {NOISY_REL_IQR:.0%} of its median, "
+            "or is a difference within the spread; (implausible) is physically impossible (a time at or below zero, "
+            "a synchronisation below zero by more than the spread, a stalled machine). Marked numbers are not results."
+        ),
     )

@@ -21,7 +21,7 @@ from torch import nn
 import tfuse
 from tfuse.nn import FusedBatchNormAct2d
 
-from .harness import Column, Context, Report, gbps, grid, median_ms
+from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, finish_row, grid
 
 NAME = "bn_act"
 
@@ -99,17 +99,14 @@ def _measure(ctx: Context, shape: tuple[int, ...], dtype: torch.dtype, residual:
                 with tfuse.count_launches() as launches:
                     run(fused)()
                 row["launches"] = launches.total
-            row["tfuse_ms"] = median_ms(run(fused), device, ctx.quick)
-        row["eager_ms"] = median_ms(run(eager), device, ctx.quick)
+        providers = {"tfuse": run(fused), "eager": run(eager)}
         if compiled is not None:
             run(compiled)()
-            row["compile_ms"] = median_ms(run(compiled), device, ctx.quick)
-            row["vs_compile"] = row["compile_ms"] / row["tfuse_ms"]
-        for key in ("tfuse", "eager", "compile"):
-            if f"{key}_ms" in row:
-                row[f"{key}_gbps"] = gbps(nbytes, row[f"{key}_ms"])
-        row["pct_copy"] = 100 * row["tfuse_gbps"] / ctx.copy_gbps
-        row["vs_eager"] = row["eager_ms"] / row["tfuse_ms"]
+            providers["compile"] = run(compiled)
+        with tfuse.use_backend(backend):  # tfuse's path; the eager and compiled blocks do not call tfuse
+            timings, copy_nbytes = ctx.measure(providers, nbytes)
+        finish_row(row, timings, ctx, nbytes=nbytes, copy_nbytes=copy_nbytes,
+                   ratios={"vs_eager": "eager", "vs_compile": "compile"})
         row["series"] = f"{mode}, residual {row['residual']}, {row['dtype']}"
         rows.append(row)
     return rows
@@ -137,13 +134,16 @@ def _interpreted_launches(ctx: Context) -> str | None:
 
 def run(ctx: Context) -> Report:
     rows = []
-    for bench in _benchmarks(ctx):
-        for config in grid(bench):
-            rows.extend(_measure(ctx, config["shape"], config["dtype"], config["residual"]))
+    configs = [config for bench in _benchmarks(ctx) for config in grid(bench)]
+    progress = Progress(NAME, len(configs))
+    for config in configs:
+        residual = ", residual" if config["residual"] else ""
+        progress.step(f"{'x'.join(map(str, config['shape']))}{residual}, {config['dtype']}")
+        rows.extend(_measure(ctx, config["shape"], config["dtype"], config["residual"]))
     on_gpu = ctx.machine.on_gpu
     label = "tfuse" if on_gpu else "tfuse (PyTorch path)"
     notes = [
-        f"Device copy bandwidth measured in this run: {ctx.copy_gbps:.1f} GB/s (read + write).",
+        copy_note(ctx),
         "GB/s = bytes / median time, bytes as in the module docstring: eval reads x (+ residual) and writes y; "
         "training forward reads x twice; backward reads x, dy, y twice and writes dx "
         "(the residual needs no gradient).",
@@ -161,13 +161,16 @@ def run(ctx: Context) -> Report:
         notes.append("torch.compile was not measured (--no-compile).")
     columns = [
         Column("mode", "mode"), Column("residual", "residual"), Column("dtype", "dtype"), Column("shape", "shape"),
-        Column("mbytes", "MB moved", "{:.1f}"), Column("tfuse_ms", f"{label} ms", "{:.4f}"),
+        Column("mbytes", "MB moved", "{:.1f}"), Column("tfuse_ms", f"{label} ms", "{:.4f}", spread=True),
         Column("tfuse_gbps", "GB/s", "{:.1f}"), Column("pct_copy", "% of copy BW", "{:.0f}%"),
-        Column("launches", "launches"), Column("eager_ms", "eager ms", "{:.4f}"), Column("compile_ms", "compile ms", "{:.4f}"),
-        Column("vs_eager", "vs eager", "{:.2f}x"), Column("vs_compile", "vs compile", "{:.2f}x"),
+        Column("launches", "launches"), Column("eager_ms", "eager ms", "{:.4f}", spread=True),
+        Column("compile_ms", "compile ms", "{:.4f}", spread=True),
+        Column("vs_eager", "vs eager", "{:.2f}x"), Column("vs_compile", "vs compile", "{:.2f}x"), CHECK_COLUMN,
     ]
     return Report(
         name=NAME, title="FusedBatchNormAct2d: batch norm (+ residual) + ReLU", notes=notes, columns=columns,
-        rows=rows, plot_lines=[("tfuse_gbps", label), ("eager_gbps", "eager"), ("compile_gbps", "torch.compile")],
-        reference_line=(ctx.copy_gbps, "copy bandwidth"),
+        rows=rows, plot_x="shape", plot_xlabel="shape (N x C x H x W)",
+        plot_lines=[("tfuse_gbps", label), ("eager_gbps", "eager"), ("compile_gbps", "torch.compile"),
+                    ("copy_gbps", "copy of the same bytes")],
+        reference_line=(ctx.copy_gbps, "device copy bandwidth") if on_gpu else None,
     )

@@ -17,7 +17,7 @@ from torch import nn
 import tfuse
 from tfuse.nn import FusedLinear
 
-from .harness import Column, Context, Report, grid, median_ms, saved_for_backward_bytes
+from .harness import CHECK_COLUMN, Column, Context, Progress, Report, finish_row, grid, saved_for_backward_bytes
 
 NAME = "linear"
 TORCH_ACT = {"relu": nn.ReLU, "gelu": nn.GELU}
@@ -87,20 +87,22 @@ def _measure(ctx: Context, act: str, dtype: torch.dtype, shape: tuple[int, int, 
             torch.testing.assert_close(
                 fused(xs).float(), reference(xs).float(), rtol=3e-2 if dtype != torch.float32 else 1e-4, atol=3e-2 if dtype != torch.float32 else 1e-4
             )
-            row["tfuse_ms"] = median_ms(run(fused), device, ctx.quick)
             row["tfuse_peak_mb"] = _peak_mb(run(fused), device)
             if training:
                 row["tfuse_saved_mb"] = saved_for_backward_bytes(lambda: fused(xs), (xs, *fused.parameters()))[0] / 1e6
-        row["eager_ms"] = median_ms(run(reference), device, ctx.quick)
         row["eager_peak_mb"] = _peak_mb(run(reference), device)
         if training:
             row["eager_saved_mb"] = saved_for_backward_bytes(lambda: reference(xs), (xs, *reference.parameters()))[0] / 1e6
+        providers = {"tfuse": run(fused), "eager": run(reference)}
         if compiled is not None:
             run(compiled)()
-            row["compile_ms"] = median_ms(run(compiled), device, ctx.quick)
-            row["vs_compile"] = row["compile_ms"] / row["tfuse_ms"]
+            providers["compile"] = run(compiled)
+        with tfuse.use_backend(backend):  # tfuse's path; nn.Linear and compiled code do not call tfuse
+            timings, _ = ctx.measure(providers)  # no byte count: the matmul is compute-bound
+        finish_row(row, timings, ctx, ratios={"vs_eager": "eager", "vs_compile": "compile"})
         row["tflops"] = (3 if training else 1) * flops / row["tfuse_ms"] / 1e9
-        row["vs_eager"] = row["eager_ms"] / row["tfuse_ms"]
+        if "tfuse_ms" in row["flags"]:
+            row["flags"]["tflops"] = row["flags"]["tfuse_ms"]
         row["series"] = f"{act}, {row['dtype']}, {passes}"
         rows.append(row)
     return rows
@@ -108,9 +110,12 @@ def _measure(ctx: Context, act: str, dtype: torch.dtype, shape: tuple[int, int, 
 
 def run(ctx: Context) -> Report:
     rows = []
-    for bench in _benchmarks(ctx):
-        for config in grid(bench):
-            rows.extend(_measure(ctx, config["act"], config["dtype"], config["shape"]))
+    configs = [config for bench in _benchmarks(ctx) for config in grid(bench)]
+    progress = Progress(NAME, len(configs))
+    for config in configs:
+        tokens, d_in, d_out = config["shape"]
+        progress.step(f"{config['act']}, {tokens}x{d_in} -> {d_out}, {config['dtype']}")
+        rows.extend(_measure(ctx, config["act"], config["dtype"], config["shape"]))
     on_gpu = ctx.machine.on_gpu
     label = "FusedLinear" if on_gpu else "FusedLinear (PyTorch path)"
     notes = [
@@ -127,11 +132,12 @@ def run(ctx: Context) -> Report:
         notes.append("torch.compile was not measured (--no-compile).")
     columns = [
         Column("act", "act"), Column("dtype", "dtype"), Column("shape", "shape"), Column("passes", "passes"),
-        Column("tfuse_ms", f"{label} ms", "{:.4f}"), Column("tflops", "TFLOP/s", "{:.2f}"),
-        Column("eager_ms", "Linear + act ms", "{:.4f}"), Column("compile_ms", "compile ms", "{:.4f}"),
+        Column("tfuse_ms", f"{label} ms", "{:.4f}", spread=True), Column("tflops", "TFLOP/s", "{:.2f}"),
+        Column("eager_ms", "Linear + act ms", "{:.4f}", spread=True), Column("compile_ms", "compile ms", "{:.4f}", spread=True),
         Column("vs_eager", "vs Linear + act", "{:.2f}x"), Column("vs_compile", "vs compile", "{:.2f}x"),
         Column("tfuse_saved_mb", "saved MB", "{:.2f}"), Column("eager_saved_mb", "Linear + act saved MB", "{:.2f}"),
         Column("tfuse_peak_mb", "peak MB", "{:.1f}"), Column("eager_peak_mb", "Linear + act peak MB", "{:.1f}"),
+        CHECK_COLUMN,
     ]
     return Report(
         name=NAME, title="tfuse.nn.FusedLinear: Linear + activation with a fused epilogue", notes=notes,

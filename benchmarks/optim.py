@@ -20,7 +20,7 @@ import triton.testing
 import tfuse
 from tfuse.optim import FusedAdam, FusedMomentum
 
-from .harness import Column, Context, Report, count_aten_ops, gbps, grid, median_ms
+from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, count_aten_ops, finish_row, grid
 
 NAME = "optim"
 
@@ -59,6 +59,7 @@ MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes, "tiny": tiny_shapes,
 }
 BYTES_PER_PARAM = {"adam": 28, "momentum": 20}
+PROVIDERS = ("tfuse", "for-loop", "foreach", "fused")
 
 
 def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
@@ -99,11 +100,15 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
         "numel": numel, "mbytes": nbytes / 1e6, "series": "optimizer step",
     }
     backend = "triton" if ctx.machine.on_gpu else "torch"
-    for provider in ("tfuse", "for-loop", "foreach", "fused"):
-        params = _params(shapes, device)
-        optimizer = _make(provider, algorithm, params)
-        optimizer.step()  # state created, gradients re-homed into the flat buffers
-        with tfuse.use_backend(backend):
+    providers = {}
+    # All optimizers exist at once (their steps are timed interleaved). tfuse re-homes its parameters into flat
+    # buffers, so it gets its own; torch's three share one set (each keeps its own state), which saves memory.
+    shared = _params(shapes, device)
+    with tfuse.use_backend(backend):
+        for provider in PROVIDERS:
+            params = _params(shapes, device) if provider == "tfuse" else shared
+            optimizer = _make(provider, algorithm, params)
+            optimizer.step()  # state created, gradients re-homed into the flat buffers
             if provider == "tfuse":
                 with tfuse.count_launches() as launches:
                     optimizer.step()
@@ -111,36 +116,35 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
                     row["tfuse_launches"] = launches.total
             else:
                 row[f"{provider}_ops"] = count_aten_ops(optimizer.step)
-            row[f"{provider}_ms"] = median_ms(optimizer.step, device, ctx.quick)
-        row[f"{provider}_gbps"] = gbps(nbytes, row[f"{provider}_ms"])
-        del optimizer, params
-    row["pct_copy"] = 100 * row["tfuse_gbps"] / ctx.copy_gbps
-    row["vs_fused"] = row["fused_ms"] / row["tfuse_ms"]
-    row["vs_foreach"] = row["foreach_ms"] / row["tfuse_ms"]
+            providers[provider] = optimizer.step
+        if not ctx.machine.on_gpu and model == "ResNet-50" and algorithm == "adam":
+            providers["flat"] = _flat_torch_fused_step(numel, device)
+        timings, copy_nbytes = ctx.measure(providers, nbytes)
+    finish_row(row, timings, ctx, nbytes=nbytes, copy_nbytes=copy_nbytes,
+               ratios={"vs_fused": "fused", "vs_foreach": "foreach"})
     return row
 
 
-def _flat_torch_fused_ms(ctx: Context) -> float | None:
-    """torch's fused Adam over ONE flat tensor of ResNet-50's size: the floor of the CPU path."""
-    if ctx.quick or ctx.machine.on_gpu:
-        return None
-    numel = sum(torch.Size(s).numel() for s in resnet50_shapes())
-    flat = torch.nn.Parameter(torch.randn(numel) * 0.02)
+def _flat_torch_fused_step(numel: int, device: torch.device) -> Callable[[], Any]:
+    """torch's fused Adam over ONE flat tensor of ``numel`` elements: the floor of the CPU path."""
+    flat = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
     flat.grad = torch.randn_like(flat) * 1e-3
     optimizer = torch.optim.Adam([flat], lr=1e-4, fused=True)
     optimizer.step()
-    return median_ms(optimizer.step, ctx.machine.device, ctx.quick)
+    return optimizer.step
 
 
 def run(ctx: Context) -> Report:
     rows = []
-    for bench in _benchmarks(ctx):
-        for config in grid(bench):
-            rows.append(_measure(ctx, config["model"], config["algorithm"]))
+    configs = [config for bench in _benchmarks(ctx) for config in grid(bench)]
+    progress = Progress(NAME, len(configs))
+    for config in configs:
+        progress.step(f"{config['model']}, {config['algorithm']}")
+        rows.append(_measure(ctx, config["model"], config["algorithm"]))
     on_gpu = ctx.machine.on_gpu
     label = "tfuse" if on_gpu else "tfuse (PyTorch path)"
     notes = [
-        f"Device copy bandwidth measured in this run: {ctx.copy_gbps:.1f} GB/s (read + write).",
+        copy_note(ctx),
         "GB/s = minimum bytes / median step time: Adam float32 28 B/parameter, SGD momentum 20 B/parameter "
         "(each element read and written once).",
         "Synthetic float32 parameters with the shapes of the named model, every one with a gradient; "
@@ -150,10 +154,13 @@ def run(ctx: Context) -> Report:
         "ops = ATen operator calls per torch step (each is at least one kernel launch on a GPU); "
         "launches = Triton launches per tfuse step.",
     ]
-    floor = _flat_torch_fused_ms(ctx)
+    floor = next((row for row in rows if row.get("flat_ms") is not None), None)
     if floor is not None:
-        notes.append(f"torch's fused CPU Adam over ONE flat tensor of ResNet-50's 25.6M elements: {floor:.2f} ms per step "
-                     "(the same kernel the PyTorch path runs over its flat buffers).")
+        flag = floor["flags"].get("flat_ms")
+        notes.append(f"torch's fused CPU Adam over ONE flat tensor of ResNet-50's 25.6M elements, timed in the same rounds "
+                     f"as the ResNet-50 Adam row: {Column('flat_ms', '', '{:.2f}', spread=True).render(floor)} ms per step "
+                     "(the same kernel the PyTorch path runs over its flat buffers)"
+                     + (f"; {flag.kind}: {flag.reason}." if flag else "."))
     if not on_gpu:
         notes.append(
             "CPU run: the tfuse column times tfuse's PyTorch path (torch's fused CPU kernels over whole runs of "
@@ -162,17 +169,18 @@ def run(ctx: Context) -> Report:
         )
     columns = [
         Column("model", "model"), Column("algorithm", "optimizer"), Column("tensors", "tensors"),
-        Column("mbytes", "min MB moved", "{:.0f}"), Column("tfuse_ms", f"{label} ms", "{:.3f}"),
+        Column("mbytes", "min MB moved", "{:.0f}"), Column("tfuse_ms", f"{label} ms", "{:.3f}", spread=True),
         Column("tfuse_gbps", "GB/s", "{:.1f}"), Column("pct_copy", "% of copy BW", "{:.0f}%"),
-        Column("tfuse_launches", "launches"), Column("for-loop_ms", "for-loop ms", "{:.3f}"),
-        Column("for-loop_ops", "loop ops"), Column("foreach_ms", "foreach ms", "{:.3f}"), Column("foreach_ops", "foreach ops"),
-        Column("fused_ms", "fused=True ms", "{:.3f}"), Column("fused_ops", "fused ops"),
-        Column("vs_foreach", "vs foreach", "{:.2f}x"), Column("vs_fused", "vs fused=True", "{:.2f}x"),
+        Column("tfuse_launches", "launches"), Column("for-loop_ms", "for-loop ms", "{:.3f}", spread=True),
+        Column("for-loop_ops", "loop ops"), Column("foreach_ms", "foreach ms", "{:.3f}", spread=True),
+        Column("foreach_ops", "foreach ops"), Column("fused_ms", "fused=True ms", "{:.3f}", spread=True),
+        Column("fused_ops", "fused ops"), Column("vs_foreach", "vs foreach", "{:.2f}x"),
+        Column("vs_fused", "vs fused=True", "{:.2f}x"), CHECK_COLUMN,
     ]
     return Report(
         name=NAME, title="Optimizer step: FusedAdam / FusedMomentum vs torch.optim", notes=notes, columns=columns,
         rows=rows, plot_panels="algorithm", plot_x="numel", plot_xlabel="parameters (elements)",
         plot_lines=[("tfuse_gbps", label), ("for-loop_gbps", "for-loop"), ("foreach_gbps", "foreach"),
-                    ("fused_gbps", "fused=True")],
-        reference_line=(ctx.copy_gbps, "copy bandwidth"),
+                    ("fused_gbps", "fused=True"), ("copy_gbps", "copy (same bytes, at most 1 GiB)")],
+        reference_line=(ctx.copy_gbps, "device copy bandwidth") if on_gpu else None,
     )
