@@ -93,7 +93,8 @@ def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     acc = out if out.dtype == acc_dtype else torch.empty_like(out, dtype=acc_dtype)
     first, second, *rest = tensors
-    if first.dtype == acc_dtype and second.dtype == acc_dtype and _broadcast(first, second) == acc.shape:
+    spans_output = first.shape == acc.shape or second.shape == acc.shape  # then their broadcast is the output's shape
+    if first.dtype == acc_dtype and second.dtype == acc_dtype and spans_output:
         torch.add(first, second, out=acc)
     else:
         # torch.add(out=...) would round to the inputs' common dtype first, and
@@ -104,12 +105,6 @@ def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         acc.add_(tensor)
     if acc is not out:
         out.copy_(acc)
-
-
-def _broadcast(first: torch.Tensor, second: torch.Tensor) -> torch.Size:
-    if first.shape == second.shape:
-        return first.shape
-    return torch.broadcast_shapes(first.shape, second.shape)
 
 
 def sum_to_input(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
