@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tfuse.distributed import FusedDataParallel
-from tfuse.flat import owner_of
+from tfuse.flat import flat_params_of
 from tfuse.optim import FusedAdam, FusedMomentum
 
 BATCH = 4  # rows per rank per micro-batch
@@ -131,7 +131,7 @@ def train(rank: int, world: int, optimizer: str = "sgd") -> dict:
         with recorded_all_reduces() as calls:
             loss_of(wrapped, shard(batch, rank)).backward()
         issued.append(bucket_indices(wrapped, calls))
-        grads_in_buffers &= all(owner_of(p) is wrapped.flat and p.grad.data_ptr() == wrapped.flat.grad_view(p).data_ptr()
+        grads_in_buffers &= all(flat_params_of(p) is wrapped.flat and p.grad.data_ptr() == wrapped.flat.grad_view(p).data_ptr()
                                 for p in wrapped.parameters())
         loss_of(reference, batch).backward()
         loss_of(ddp, shard(batch, rank)).backward()
@@ -142,7 +142,7 @@ def train(rank: int, world: int, optimizer: str = "sgd") -> dict:
         "fdp": params_of(wrapped), "reference": params_of(reference), "ddp": params_of(ddp),
         "issued": issued, "n_buckets": len(wrapped.buckets), "num_allreduce_calls": wrapped.num_allreduce_calls,
         "num_grad_tensors": wrapped.num_grad_tensors, "grads_in_buffers": grads_in_buffers,
-        "optimizer_shares_flat": optimizer != "fused_adam" or all(owner_of(p) is wrapped.flat for p in model.parameters()),
+        "optimizer_shares_flat": optimizer != "fused_adam" or all(flat_params_of(p) is wrapped.flat for p in model.parameters()),
         "log": records, "synchronized": wrapped.gradients_synchronized,
     }
 
@@ -420,12 +420,13 @@ def rewrap(rank: int, world: int) -> dict:
     loss_of(reference, batches[1]).backward()
     # An optimizer over part of the model, made before wrapping, owns a FlatParams of other parameters.
     other = net()
-    FusedAdam(list(other.parameters())[:2], lr=0.1)
+    partial_optimizer = FusedAdam(list(other.parameters())[:2], lr=0.1)  # kept alive: it holds its FlatParams
     try:
         FusedDataParallel(other)
         errors["partial"] = None
     except ValueError as error:
         errors["partial"] = str(error)
+    del partial_optimizer
     return {"first": first_grads, "second": (grads_of(again), grads_of(reference)), "errors": errors,
             "same_flat": again.flat is wrapped.flat}
 
@@ -546,7 +547,7 @@ def copies(rank: int, world: int) -> dict:
     clone = copy.deepcopy(wrapped)
     ddp_clone = copy.deepcopy(ddp)
     out["clone_is_fdp"] = type(clone) is FusedDataParallel and clone.flat is not wrapped.flat
-    out["clone_params_in_clone_flat"] = all(owner_of(p) is clone.flat for p in clone.parameters())
+    out["clone_params_in_clone_flat"] = all(flat_params_of(p) is clone.flat for p in clone.parameters())
     clone_opts = (torch.optim.SGD(clone.parameters(), lr=0.1), torch.optim.SGD(ddp_clone.parameters(), lr=0.1))
     with recorded_all_reduces() as calls:
         _train_pair((clone, clone_opts[0]), (ddp_clone, clone_opts[1]), batches[1:3], rank)
@@ -565,7 +566,7 @@ def copies(rank: int, world: int) -> dict:
     ddp_opt = torch.optim.SGD(ddp_loaded.parameters(), lr=0.1)
     _train_pair((loaded, loaded_opt), (ddp_loaded, ddp_opt), batches[:2], rank)
     out["loaded"] = {"fdp": params_of(loaded), "ddp": params_of(ddp_loaded)}
-    out["loaded_in_own_flat"] = all(owner_of(p) is loaded.flat for p in loaded.parameters()) and loaded.flat is not wrapped.flat
+    out["loaded_in_own_flat"] = all(flat_params_of(p) is loaded.flat for p in loaded.parameters()) and loaded.flat is not wrapped.flat
     stream = io.BytesIO()
     torch.save(ddp, stream)
     out["ddp_pickles"] = len(stream.getvalue()) > 0

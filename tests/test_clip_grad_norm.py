@@ -188,7 +188,7 @@ def test_only_parameters_with_gradients_count(backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flat_and_plain_gradients_together(backend, device):
     model, reference = model_pair(device)
-    FlatParams(model[0].parameters())  # the last layer stays un-coalesced
+    flat = FlatParams(model[0].parameters())  # the last layer stays un-coalesced
     backward_both(model, reference, device)
     with tfuse.use_backend(backend):
         total = clip_grad_norm_(model.parameters(), 0.3)
@@ -303,7 +303,7 @@ def test_non_finite_gradients(bad, norm_type, backend, device):
 
 def test_no_gradients_and_single_tensor(device):
     layer = nn.Linear(3, 3).to(device)
-    FlatParams(layer.parameters())
+    flat = FlatParams(layer.parameters())
     none = clip_grad_norm_(layer.parameters(), 1.0)
     assert none.item() == 0.0 and none.device.type == "cpu" and none.dtype == torch.float32  # torch's tensor(0.)
     tensor = torch.randn(5, device=device, requires_grad=True)
@@ -344,7 +344,7 @@ def test_duplicate_parameter_counts_twice_as_in_torch(backend, device, monkeypat
 def test_graph_gradients_are_clipped_like_torch(backend, device):
     # backward(create_graph=True): the gradients keep their graph and stay out of the flat buffer.
     model, reference = model_pair(device)
-    FlatParams(model.parameters())
+    flat = FlatParams(model.parameters())
     x = torch.randn(4, 70, device=device)
     for m in (model, reference):
         m(x).pow(2).sum().backward(create_graph=True)
@@ -576,7 +576,7 @@ def test_parameters_coalesced_after_a_first_call_use_the_kernels(device):
         clip_grad_norm_(model.parameters(), 0.3)
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.3)
     assert launches.total == 0  # no FlatParams yet: torch's foreach ops
-    FlatParams(model.parameters())
+    flat = FlatParams(model.parameters())
     for m in (model, reference):
         m.zero_grad()
     backward_both(model, reference, device)

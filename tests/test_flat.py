@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from tfuse.flat import FlatParams, owner_of
+from tfuse.flat import FlatParams, flat_params_of
 
 
 def small_model(device) -> nn.Module:
@@ -34,7 +35,7 @@ def test_parameters_become_aligned_views_with_unchanged_values(device):
         torch.testing.assert_close(param, before[name], rtol=0, atol=0)
         assert in_buffer(param, buffer)
         assert (param.data_ptr() - buffer.data_ptr()) % 256 == 0
-        assert owner_of(param) is flat
+        assert flat_params_of(param) is flat
     assert list(model.state_dict()) == list(before)
 
 
@@ -93,7 +94,7 @@ def test_zero_grad_without_none_keeps_views_and_unused_parameters_stay_none(devi
 def test_training_with_torch_optimizer_follows_the_uncoalesced_trajectory(device):
     model = small_model(device)
     reference = copy.deepcopy(model)
-    FlatParams(model.parameters())
+    flat = FlatParams(model.parameters())
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
     for _ in range(5):
         x = torch.randn(8, 7, device=device)
@@ -196,9 +197,13 @@ def test_errors(device):
     with pytest.raises(ValueError, match=r"non-leaf"):
         FlatParams([nn.Parameter(torch.randn(3, device=device)) * 2])
     shared = nn.Parameter(torch.randn(3, device=device))
-    FlatParams([shared])
+    first = FlatParams([shared])
     with pytest.raises(ValueError, match=r"already lives in another FlatParams"):
         FlatParams([shared])
+    del first  # nothing keeps a FlatParams alive but its users: once it is gone, the parameter is free again
+    gc.collect()
+    assert flat_params_of(shared) is None
+    FlatParams([shared])
     fresh = [nn.Parameter(torch.randn(3, device=device))]
     with pytest.raises(ValueError, match=r"bucket_mb must be a positive number"):
         FlatParams(fresh, bucket_mb=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tfuse.flat import FlatParams, owner_of, register_compact_state_dict
+from tfuse.flat import FlatParams, flat_params_of, register_compact_state_dict
 from tfuse.optim import FusedAdam
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -76,9 +76,9 @@ def test_deepcopy_of_a_coalesced_model_is_an_independent_plain_model(device):
         step(model, optimizer, torch.randn(5, 6, device=device, dtype=torch.float64))
     before = snapshot(model, optimizer)
     clone = copy.deepcopy(model)
-    buffers = owner_of(model[0].weight).param_buffers
+    buffers = flat_params_of(model[0].weight).param_buffers
     for mine, theirs in zip(clone.parameters(), model.parameters()):
-        assert owner_of(mine) is None  # plain parameters, as torch's Parameter.__deepcopy__ makes them
+        assert flat_params_of(mine) is None  # plain parameters, as torch's Parameter.__deepcopy__ makes them
         assert not in_buffers(mine, buffers)
         assert mine.grad is None
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
@@ -87,10 +87,10 @@ def test_deepcopy_of_a_coalesced_model_is_an_independent_plain_model(device):
     fused = FusedAdam(clone.parameters(), lr=1e-2)
     for opt in (plain, fused, plain):
         step(clone, opt, torch.randn(5, 6, device=device, dtype=torch.float64))
-    assert owner_of(clone[0].weight) is not owner_of(model[0].weight)
+    assert flat_params_of(clone[0].weight) is not flat_params_of(model[0].weight)
     assert not torch.equal(clone[0].weight, model[0].weight)
     assert_unchanged(model, optimizer, before)
-    assert all(p.grad is None or in_buffers(p.grad, owner_of(p).grad_buffers) for p in model.parameters())
+    assert all(p.grad is None or in_buffers(p.grad, flat_params_of(p).grad_buffers) for p in model.parameters())
 
 
 def test_deepcopy_of_a_model_with_its_flatparams_gives_a_coalesced_copy(device):
@@ -103,7 +103,7 @@ def test_deepcopy_of_a_model_with_its_flatparams_gives_a_coalesced_copy(device):
     assert clone_flat.layout_version != flat.layout_version  # copied holders of offsets re-map
     assert [g.offsets for g in clone_flat.groups] == [g.offsets for g in flat.groups]
     for mine, theirs in zip(clone.parameters(), model.parameters()):
-        assert owner_of(mine) is clone_flat
+        assert flat_params_of(mine) is clone_flat
         assert in_buffers(mine, clone_flat.param_buffers) and not in_buffers(mine, flat.param_buffers)
         assert mine.grad is None  # deep-copied parameters have no gradient, as in torch
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
@@ -145,7 +145,7 @@ def test_a_flatparams_deep_copies_pickles_and_refuses_a_shallow_copy(device):
     model = small_model(device)
     flat = FlatParams(model.named_parameters(), bucket_mb=0.0001, max_params_per_bucket=2, align_bytes=64)
     alone = copy.deepcopy(flat)
-    assert len(alone) == len(flat) and all(owner_of(p) is alone for p in alone)
+    assert len(alone) == len(flat) and all(flat_params_of(p) is alone for p in alone)
     assert not any(q is p for q in alone for p in flat)
     with pytest.raises(TypeError, match="cannot be copied shallowly"):
         copy.copy(flat)
@@ -154,7 +154,7 @@ def test_a_flatparams_deep_copies_pickles_and_refuses_a_shallow_copy(device):
     assert (back.bucket_mb, back.max_params_per_bucket, back.align_bytes) == (0.0001, 2, 64)
     assert [len(b.params) for b in back.buckets] == [len(b.params) for b in flat.buckets]
     for mine, theirs in zip(back, flat):
-        assert owner_of(mine) is back and in_buffers(mine, back.param_buffers)
+        assert flat_params_of(mine) is back and in_buffers(mine, back.param_buffers)
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     assert back.name_of(back.params[0]) == "0.weight"
 
@@ -171,9 +171,9 @@ def test_one_layers_state_dict_serialises_its_own_elements_only(how, device):
     plain = layers(device)
     model = copy.deepcopy(plain)
     if how == "module":
-        FlatParams(model)
+        holder = FlatParams(model)
     else:
-        FusedAdam(model.parameters(), lr=1e-3)  # a fused optimizer sees parameters only
+        holder = FusedAdam(model.parameters(), lr=1e-3)  # a fused optimizer sees parameters only
         register_compact_state_dict(model)
     one_plain = len(saved_bytes(plain[3].state_dict()))
     one = saved_bytes(model[3].state_dict())
@@ -194,7 +194,7 @@ def test_one_layers_state_dict_serialises_its_own_elements_only(how, device):
 
 def test_state_dict_entries_still_alias_the_parameters(device):
     model = layers(device)
-    FlatParams(model)
+    flat = FlatParams(model)
     state = model.state_dict()
     entry = state["2.weight"]
     assert isinstance(entry, torch.Tensor) and not entry.requires_grad
@@ -214,7 +214,7 @@ def test_tied_parameters_stay_tied_through_a_compact_state_dict(device):
     head = nn.Linear(16, 50, bias=False)
     head.weight = embedding.weight
     model = nn.ModuleDict({"embedding": embedding, "filler": nn.Linear(64, 64), "head": head}).to(device)
-    FlatParams(model)
+    flat = FlatParams(model)
     state = model.state_dict()
     assert set(state) == {"embedding.weight", "filler.weight", "filler.bias", "head.weight"}
     back = loaded(saved_bytes(state))
@@ -224,11 +224,11 @@ def test_tied_parameters_stay_tied_through_a_compact_state_dict(device):
 
 def test_a_whole_coalesced_model_pickles_and_loads(device):
     model = layers(device)
-    FlatParams(model)
+    flat = FlatParams(model)
     back = loaded(saved_bytes(model), weights_only=False)
     for mine, theirs in zip(back.parameters(), model.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-    assert owner_of(back[0].weight) is None  # loaded as a plain model (its parameters views of one loaded storage)
+    assert flat_params_of(back[0].weight) is None  # loaded as a plain model (its parameters views of one loaded storage)
     assert len(saved_bytes(back[0].state_dict())) <= len(saved_bytes(nn.Linear(128, 128).state_dict())) + 512
     back[0].weight.data = back[0].weight.detach().clone()  # a plain model's parameters can be anything
     assert len(saved_bytes(back[0].state_dict())) <= len(saved_bytes(nn.Linear(128, 128).state_dict())) + 512

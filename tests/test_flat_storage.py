@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tfuse
-from tfuse.flat import FlatParams, owner_of
+from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim import FusedAdam, FusedMomentum, FusedSGD
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64 on both sides
@@ -62,7 +62,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 
 def in_flat_buffer(param: torch.Tensor) -> bool:
-    owner = owner_of(param)
+    owner = flat_params_of(param)
     if owner is None:
         return False
     for buffer in owner.param_buffers:
@@ -210,7 +210,7 @@ def test_replaced_storage_is_taken_back_and_training_follows_torch_optim(how, pa
     model, reference = make_models(device, channels_last)
     fused = fused_cls(model.parameters(), **options)
     torch_opt = torch_cls(reference.parameters(), **options)
-    flat = owner_of(model.conv.weight)
+    flat = flat_params_of(model.conv.weight)
     version = flat.layout_version
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with tfuse.use_backend(backend):
@@ -228,7 +228,7 @@ def test_replaced_storage_is_taken_back_and_training_follows_torch_optim(how, pa
     assert_same_params(model, reference)  # state kept: a reset momentum / Adam moment would diverge
     for name, param in model.named_parameters():
         assert in_flat_buffer(param), name
-        assert owner_of(param) is flat
+        assert flat_params_of(param) is flat
         assert not torch.equal(param.detach(), replaced[name]), f"{name} stopped training"
         theirs = dict(reference.named_parameters())[name]
         assert param.stride() == torch.empty_like(theirs).stride()  # their memory format (dense)

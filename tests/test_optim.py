@@ -11,7 +11,7 @@ from optim_helpers import (
     LOW_PRECISION, assert_same_params, backward, groups_of, make_pair, run_low_precision_step_by_step,
     run_side_by_side,
 )
-from tfuse.flat import FlatParams, owner_of
+from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
 
 CASES = [
@@ -112,7 +112,7 @@ def test_parameters_already_in_a_flat_buffer_are_not_copied_again(device):
     data_ptrs = [p.data_ptr() for p in model.parameters()]
     optimizer = FusedAdam(model.parameters(), lr=1e-2)
     assert [p.data_ptr() for p in model.parameters()] == data_ptrs
-    assert all(owner_of(p) is flat for p in model.parameters())
+    assert all(flat_params_of(p) is flat for p in model.parameters())
     run_side_by_side(model, reference, optimizer, torch.optim.Adam(reference.parameters(), lr=1e-2), 4, device, torch.float32)
 
 
@@ -135,11 +135,11 @@ def test_frozen_then_unfrozen_layer_follows_torch(device):
     torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, weight_decay=0.1)
     run_side_by_side(model, reference, optimizer, torch_opt, 3, device, torch.float32)
     assert model.second.weight not in optimizer.state
-    version = owner_of(model.first.weight).layout_version
+    version = flat_params_of(model.first.weight).layout_version
     for net in (model, reference):
         net.second.weight.requires_grad_(True)
     run_side_by_side(model, reference, optimizer, torch_opt, 4, device, torch.float32)
-    assert owner_of(model.first.weight).layout_version > version  # laid out again, state moved along
+    assert flat_params_of(model.first.weight).layout_version > version  # laid out again, state moved along
     assert float(optimizer.state[model.second.weight]["step"]) == 4
 
 
@@ -174,7 +174,7 @@ def test_add_param_group_gives_a_second_buffer_and_follows_torch(device):
 def test_zero_grad_keeps_gradients_flowing_into_the_flat_buffer(device):
     model, _ = make_pair(device)
     optimizer = FusedSGD(model.parameters(), lr=0.1)
-    (buffer,) = owner_of(model.first.weight).grad_buffers
+    (buffer,) = flat_params_of(model.first.weight).grad_buffers
     for set_to_none in (True, False, True):
         optimizer.zero_grad(set_to_none=set_to_none)
         assert (model.first.weight.grad is None) == set_to_none

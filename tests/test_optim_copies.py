@@ -13,7 +13,7 @@ import torch
 
 import tfuse
 from optim_helpers import assert_same_state, backward, make_pair, run_side_by_side, saved
-from tfuse.flat import FlatParams, owner_of
+from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
 
 PAIRS = [
@@ -80,7 +80,7 @@ def test_a_copy_of_model_and_optimizer_continues_like_torchs_copy(pair, copier, 
     assert all(a is b for a, b in zip(ours, model_copy.parameters())) and len(ours) == len(list(model.parameters()))
     assert not any(a is b for a, b in zip(ours, model.parameters()))
     assert_same_state(fused_copy, torch_copied["o"], torch.float32)
-    assert all(owner_of(p) is not None and owner_of(p) is not owner_of(model.first.weight) for p in ours)
+    assert all(flat_params_of(p) is not None and flat_params_of(p) is not flat_params_of(model.first.weight) for p in ours)
 
     before = snapshot(model, fused)
     run_side_by_side(model_copy, torch_copied["m"], fused_copy, torch_copied["o"], 4, device, torch.float32)
@@ -162,8 +162,8 @@ def test_a_copy_of_parameters_in_a_users_flat_params_keeps_its_layout(order, dev
     torch_copied = copy.deepcopy({"m": reference, "o": torch_opt})
     fused_copy = copied["o"]
     params = [p for g in fused_copy.param_groups for p in g["params"]]
-    owner = owner_of(params[0])
-    assert owner is not None and owner is not flat and all(owner_of(p) is owner for p in params)
+    owner = flat_params_of(params[0])
+    assert owner is not None and owner is not flat and all(flat_params_of(p) is owner for p in params)
     assert owner.layout_version != flat.layout_version  # holders of offsets re-map
     assert [o for g in owner.groups for o in g.offsets] == [o for g in flat.groups for o in g.offsets]
     if "flat" in copied:

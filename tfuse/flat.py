@@ -15,6 +15,26 @@ parameter's gradient sits at the parameter's own offset. Gradient buffers are
 split into buckets by a size cap and a parameter-count cap, the knobs of the
 seeds (``fuse_grad_size_in_MB``, ``_fuse_grad_size_in_TFLOPS``).
 
+The layout is stated once, here, and read by everyone who works on the
+buffers (optimizers, clipping, the all-reduce, sharding, averaging), who are
+handed the FlatParams explicitly. One (device, dtype) group, three
+parameters ``c, b, a`` trainable (backward order) and ``f`` frozen, cut into
+two buckets and, for ``world_size=2``, two shards::
+
+    groups[0].data   |c c c . |b b b b b b . . |a a . . |pad     |f f . . |
+    groups[0].grad   |c c c . |b b b b b b . . |a a . . |pad     |
+    range_of(b)               ^start=16        ^end=22 (ParamRange: buffer 0)
+    buckets          |bucket 0 ...............|bucket 1 ..........|
+    shards(2)[0]     |rank 0 ..........................|rank 1 ..........|
+
+(``.``: alignment padding, zeros; ``pad``: padding so the trainable range
+splits into equal aligned shards, present when created with ``world_size``
+or after :meth:`FlatParams.shards`.) :meth:`FlatParams.range_of` gives a
+parameter's (buffer, start, end), :attr:`FlatParams.buckets` the all-reduce
+messages (each with a view of its range), :meth:`FlatParams.shards` the
+ranges each rank owns; a buffer laid out like ``data`` (optimizer state)
+pairs with it range for range.
+
 Memory format: each parameter keeps its memory format. Its slot holds it as
 a dense view with the strides it had (a channels_last convolution weight
 stays channels_last, so convolutions do not silently convert it on every
@@ -27,9 +47,11 @@ How gradients come to live in the buffer: a post-accumulate-grad hook on
 every trainable parameter runs in backward once autograd has accumulated the
 parameter's gradient. If ``param.grad`` is then not the parameter's view of
 the flat buffer (it was None, so autograd stole its freshly computed
-gradient, or a gradient was set by hand), the hook copies it into the view,
-dividing by :attr:`FlatParams.fresh_grad_divisor` on the way (a data-parallel
-wrapper averages there for free), and makes the view ``param.grad``. Once
+gradient, or a gradient was set by hand), :meth:`FlatParams.bring_home`
+copies it into the view, dividing it on the way by the divisor it is given
+(a data-parallel reducer, installed with :meth:`FlatParams.set_grad_receiver`,
+passes the averaging divisor of the pass, so averaging costs no extra pass),
+and makes the view ``param.grad``. Once
 ``param.grad`` is the view, later backward passes accumulate into it in
 place. One copy replaces what attaching a zeroed view before accumulation
 would cost (a zeroing pass and a read-add-write pass), so
@@ -105,22 +127,46 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Which FlatParams a parameter lives in (a parameter can live in only one).
-# Keyed by identity: tensors compare elementwise, so a plain weak dict cannot hold them.
-# Known leak: the values hold their FlatParams strongly and a FlatParams holds its parameters, so an
-# entry never dies (a weak key whose value refers back to it); FlatParams and their buffers are never
-# freed. The strong parameter -> FlatParams edge would have to live where the garbage collector sees
-# it: not in a post-accumulate-grad hook (torch 2.13 does not traverse those), and a Parameter's
-# __dict__ would be pickled with it.
-_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# A flat buffer's storage carries a weak reference to its FlatParams under this attribute (torch keeps one
+# Python object per storage alive as long as the storage lives, so the attribute stays). That is how a
+# parameter leads to the FlatParams holding it (see flat_params_of) without any registry: nothing global,
+# nothing kept alive, and copies (deepcopy, torch.save/load) get new storages without it.
+_HOME_ATTR = "_tfuse_flat_params"
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _MAX_NAMED = 6  # parameters named in one error message
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRange:
+    """Where one parameter lives: elements ``start:end`` of flat buffer ``buffer``.
+
+    ``buffer`` indexes :attr:`FlatParams.groups` (and ``param_buffers``); a
+    trainable parameter's gradient lies in the same elements of that group's
+    gradient buffer. The elements hold the parameter as a dense view of
+    ``shape`` and ``strides`` (its memory format), so any buffer laid out
+    like the parameter buffer (gradients, optimizer state) pairs element by
+    element with it over the same range.
+    """
+
+    buffer: int
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This parameter's view of ``buffer`` (a 1-D tensor laid out like its parameter buffer)."""
+        return buffer.as_strided(self.shape, self.strides, buffer.storage_offset() + self.start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +177,42 @@ class Bucket:
         buffer_index: which gradient buffer (an index into ``FlatParams.grad_buffers``).
         start, end: element range in that buffer.
         params: the parameters whose gradients lie in the range, in the order they get them in backward.
+        grad: the range as a view of the gradient buffer (what a collective sends and receives).
     """
 
     buffer_index: int
     start: int
     end: int
     params: tuple[torch.nn.Parameter, ...]
+    grad: torch.Tensor = dataclasses.field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One rank's equal, aligned share of a flat buffer's trainable range.
+
+    Elements ``start:end`` of parameter buffer ``buffer`` (and of its
+    gradient buffer); every shard of a buffer has the same size and starts
+    on an aligned offset. The last shards may cover padding (elements no
+    parameter uses, kept at zero) so that the sizes match.
+
+    Attributes:
+        buffer: index into :attr:`FlatParams.groups`.
+        rank, world_size: whose share, out of how many.
+        start, end: element range.
+        ranges: the parts of parameters inside the shard, clipped to it.
+    """
+
+    buffer: int
+    rank: int
+    world_size: int
+    start: int
+    end: int
+    ranges: tuple[tuple[torch.nn.Parameter, int, int], ...]  # (parameter, start, end) clipped to the shard
 
     @property
     def numel(self) -> int:
@@ -225,6 +301,9 @@ class FlatParams:
         align_bytes: every parameter and gradient starts on a multiple of
             this many bytes (256 keeps 128-bit vector loads aligned and suits
             NCCL); a power of two.
+        world_size: pad each buffer's trainable range so that it splits into
+            this many equal, aligned shards (see :meth:`shards`); None: no
+            padding beyond alignment.
 
     A parameter's gradient sits at the same offset in the gradient buffer as
     the parameter in the parameter buffer (see :class:`FlatGroup`), with the
@@ -255,11 +334,13 @@ class FlatParams:
         bucket_mb: float | None = None,
         max_params_per_bucket: int | None = None,
         align_bytes: int = 256,
+        world_size: int | None = None,
     ) -> None:
         module = params if isinstance(params, torch.nn.Module) else None
         unique, names = _unique_params(params.named_parameters() if module is not None else params)
         _check_options(bucket_mb, max_params_per_bucket, align_bytes)
-        self._setup(unique, names, bucket_mb, max_params_per_bucket, align_bytes)
+        _check_world_size(world_size)
+        self._setup(unique, names, bucket_mb, max_params_per_bucket, align_bytes, world_size or 1)
         if module is not None:
             register_compact_state_dict(module)
         logger.info("%s", self.describe())
@@ -271,26 +352,26 @@ class FlatParams:
         bucket_mb: float | None,
         max_params_per_bucket: int | None,
         align_bytes: int,
+        shard_multiple: int = 1,
     ) -> None:
         self.bucket_mb = bucket_mb
         self.max_params_per_bucket = max_params_per_bucket
         self.align_bytes = align_bytes
+        self._shard_multiple = shard_multiple  # the trainable range splits into this many equal aligned shards
         self.layout_version = 0
         self._registered = unique
         self._names = names
         self._groups: list[FlatGroup] = []
         self._hooks: list = []
         self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._clean: dict[torch.nn.Parameter, bool] = {}
-        self._listeners: list[Callable[[torch.nn.Parameter, bool], None]] = []
+        self._clean: dict[int, bool] = {}  # id(param) -> its gradient slot holds exact zeros
+        self._homes: dict[int, tuple[torch.Tensor, _Slot]] = {}  # id(param) -> (gradient view, slot): the hot path
+        self._receiver: Callable[[torch.nn.Parameter], None] | None = None
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._watched: list[torch.Tensor] = []
         self._ptrs: list[int] = []
         self._trainable_flags: list[bool] = []
-        self.fresh_grad_divisor = 1.0
         self.buckets: list[Bucket] = []
-        for param in unique:
-            _OWNER[param] = self
         self._lay_out()
 
     # ------------------------------------------------------------------ layout
@@ -306,6 +387,7 @@ class FlatParams:
         self._hooks = []
         self._grad_views = {}
         self._clean = {}
+        self._homes = {}
         self.buckets = []
         groups = []
         for (device, dtype), members in _group_by_device_and_dtype(self._registered).items():
@@ -326,8 +408,18 @@ class FlatParams:
             offsets.append(cursor)
             cursor += -(-param.numel() // align) * align
         trainable_end = offsets[len(trainable)] if len(trainable) < len(ordered) else cursor
+        if trainable and self._shard_multiple > 1:  # padding, so that the shards have equal aligned sizes
+            shard = -(-trainable_end // (align * self._shard_multiple)) * align
+            padding = shard * self._shard_multiple - trainable_end
+            trainable_end += padding
+            cursor += padding
+            offsets[len(trainable):] = [offset + padding for offset in offsets[len(trainable):]]
         data = torch.zeros(cursor, dtype=dtype, device=device)
         grad = torch.zeros(trainable_end, dtype=dtype, device=device) if trainable else None
+        home = weakref.ref(self)
+        for buffer in (data, grad):
+            if buffer is not None:
+                setattr(buffer.untyped_storage(), _HOME_ATTR, home)
         group = FlatGroup(device, dtype, ordered, offsets, data, grad, len(trainable),
                           [tuple(p.shape) for p in ordered], [_dense_strides(p) for p in ordered])
         for position, param in enumerate(ordered):
@@ -344,7 +436,7 @@ class FlatParams:
                     grad_view.copy_(previous)
                 param.grad = grad_view
             self._grad_views[param] = grad_view
-            self._clean[param] = previous is None
+            self._clean[id(param)] = previous is None
             self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready_hook()))
         return group
 
@@ -359,10 +451,10 @@ class FlatParams:
             too_big = cap_bytes is not None and members and (end - start) * element_size > cap_bytes
             too_many = self.max_params_per_bucket is not None and len(members) >= self.max_params_per_bucket
             if too_big or too_many:
-                self.buckets.append(Bucket(index, start, offset, tuple(members)))
+                self.buckets.append(Bucket(index, start, offset, tuple(members), group.grad[start:offset]))
                 start, members = offset, []
             members.append(param)
-        self.buckets.append(Bucket(index, start, total, tuple(members)))
+        self.buckets.append(Bucket(index, start, total, tuple(members), group.grad[start:total]))
 
     def _index_slots(self) -> None:
         """Caches each parameter's slot and the data pointers :meth:`check_storage` compares.
@@ -381,72 +473,90 @@ class FlatParams:
                 slots[param] = _Slot(group_index, position, offset, group.shapes[position], group.strides[position],
                                      base + offset * size, grad_ptr)
         self._slots = slots
+        self._homes = {id(param): (view, slots[param]) for param, view in self._grad_views.items()}
         self._watched = list(self._registered) + list(self._grad_views.values())
         self._ptrs = [slots[p].ptr for p in self._registered] + [slots[p].grad_ptr for p in self._grad_views]
         self._trainable_flags = [p.requires_grad for p in self._registered]
         self._on_meta = any(group.device.type == "meta" for group in self._groups)
 
-    def _grad_ready_hook(self):
-        flat = weakref.ref(self)
+    def _grad_ready_hook(self) -> Callable[[torch.Tensor], None]:
+        flat = weakref.ref(self)  # the hook must not keep the FlatParams alive
 
         def grad_ready(param: torch.Tensor) -> None:
             # Runs in backward once autograd has accumulated param.grad.
             owner = flat()
-            if owner is not None:
-                owner._bring_home(param)
+            if owner is None:
+                return
+            receiver = owner._receiver
+            if receiver is None:
+                owner.bring_home(param)
+            else:
+                receiver(param)
 
         return grad_ready
 
-    def _bring_home(self, param: torch.nn.Parameter) -> None:
-        view = self._grad_views.get(param)
-        if view is None:
-            return
-        slot = self._slots[param]
-        if param.data_ptr() != slot.ptr or param.stride() != slot.strides:
+    def set_grad_receiver(self, receiver: Callable[[torch.nn.Parameter], None] | None) -> None:
+        """Hands each finished gradient to ``receiver(param)`` instead of :meth:`bring_home` ``(param)``.
+
+        Backward calls it once per trainable parameter, after autograd has
+        accumulated ``param.grad``; the receiver must call
+        ``bring_home(param, divisor)`` itself (a data-parallel reducer passes
+        the averaging divisor of the pass, then marks the gradient ready).
+        One receiver at a time; None restores the default.
+        """
+        self._receiver = receiver
+
+    @property
+    def grad_receiver(self) -> Callable[[torch.nn.Parameter], None] | None:
+        """The receiver set by :meth:`set_grad_receiver`, if any."""
+        return self._receiver
+
+    def bring_home(self, param: torch.nn.Parameter, divisor: float = 1.0) -> bool | None:
+        """Makes ``param.grad`` its view of the flat gradient buffer, dividing a fresh gradient by ``divisor``.
+
+        Called from the backward hook (see :meth:`set_grad_receiver`). A
+        gradient autograd left elsewhere (``param.grad`` was None, so autograd
+        handed over its fresh tensor; or one was set by hand) is copied into
+        the view, divided by ``divisor`` on the way when that is not 1 (no
+        separate pass). Returns True when the gradient was divided on the
+        way in, False when it already was the view (accumulated in place:
+        not divided) or ``divisor`` is 1, None when it stays outside the
+        buffer (``backward(create_graph=True)`` keeps its graph: a later
+        :meth:`sync_grads` copies it) or ``param`` has no gradient slot.
+        """
+        home = self._homes.get(id(param))
+        if home is None:
+            return None
+        view, slot = home
+        strides = slot.strides
+        if param.data_ptr() != slot.ptr or param.stride() != strides:
             # Storage replaced since coalescing: an incompatible change raises here, before its
             # gradient (of another dtype, say) is copied anywhere; a compatible one is re-homed
             # by the next check_storage (not in the middle of backward).
             if self._problem(param, slot) is not None:
                 raise RuntimeError(self._message(self._problems()))
-        if view.data_ptr() != slot.grad_ptr or view.stride() != slot.strides:
+        if view.data_ptr() != slot.grad_ptr or view.stride() != strides:
             self._restore_grad_view(param, slot, view)  # what autograd accumulated into it goes home too
         grad = param.grad
+        self._clean[id(param)] = False
+        if grad is view:
+            return False
         if grad.is_sparse:
             raise RuntimeError(
                 "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
                 "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
             )
-        divided = False
         if grad.requires_grad:
-            return  # backward(create_graph=True): keep the graph; sync_grads copies it later
-        if grad is not view and not _same_memory(grad, view):
-            divisor = self.fresh_grad_divisor
+            return None  # backward(create_graph=True): keep the graph; sync_grads copies it later
+        if _same_memory(grad, view):
+            return False
+        if torch.is_grad_enabled():  # called by hand; backward runs hooks with grad mode off already
             with torch.no_grad():
-                if divisor == 1:
-                    view.copy_(grad)
-                else:
-                    torch.div(grad, divisor, out=view)
-                    divided = True
-            param.grad = view
-        self._clean[param] = False
-        for listener in list(self._listeners):
-            listener(param, divided)
-
-    def add_grad_ready_listener(self, listener: Callable[[torch.nn.Parameter, bool], None]) -> Callable[[], None]:
-        """Calls ``listener(param, divided)`` each time backward finishes a parameter's gradient.
-
-        By then the gradient is in the flat buffer; ``divided`` says whether
-        it was divided by :attr:`fresh_grad_divisor` as it was copied in
-        (False when it was accumulated in place, or the divisor was 1).
-        Returns a function that removes the listener.
-        """
-        self._listeners.append(listener)
-
-        def remove() -> None:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-        return remove
+                _copy_in(grad, view, divisor)
+        else:
+            _copy_in(grad, view, divisor)
+        param.grad = view
+        return divisor != 1
 
     # ------------------------------------------------------------------ storage replaced behind our back
 
@@ -606,6 +716,76 @@ class FlatParams:
         """The flat gradient buffers, one per (device, dtype) that has a trainable parameter."""
         return [group.grad for group in self._groups if group.grad is not None]
 
+    # ------------------------------------------------------------------ the layout, stated
+
+    def range_of(self, param: torch.nn.Parameter) -> ParamRange:
+        """Where ``param`` lives: its buffer (an index into :attr:`groups`) and element range."""
+        slot = self._slots.get(param)
+        if slot is None:
+            raise KeyError("this parameter is not coalesced in this FlatParams")
+        group = self._groups[slot.group]
+        return ParamRange(slot.group, slot.offset, slot.offset + param.numel(), slot.shape, slot.strides,
+                          slot.position < group.n_trainable)
+
+    def ranges(self) -> list[ParamRange]:
+        """Every parameter's range, buffer by buffer in buffer order (trainable ones first in each)."""
+        return [self.range_of(param) for group in self._groups for param in group.params]
+
+    def shards(self, world_size: int) -> list[list[Shard]]:
+        """Each flat buffer's trainable range cut into ``world_size`` equal, aligned shards.
+
+        Returns ``shards[b][rank]`` for every buffer ``b`` of :attr:`groups`
+        that has a gradient buffer (``[]`` for one that has none). Shard
+        sizes are a multiple of the alignment and equal within a buffer; the
+        trainable range is padded (zeros no parameter uses) to make them so.
+        When the buffers are not padded for ``world_size`` yet, they are laid
+        out again with that padding first (values and gradients kept,
+        :attr:`layout_version` bumped, as on any re-layout); create the
+        FlatParams with ``world_size=`` to lay it out once.
+
+        Example:
+            >>> import torch
+            >>> from tfuse.flat import FlatParams
+            >>> flat = FlatParams(torch.nn.Linear(100, 3).parameters(), world_size=4)
+            >>> [(s.start, s.end) for s in flat.shards(4)[0]]
+            [(0, 128), (128, 256), (256, 384), (384, 512)]
+        """
+        _check_world_size(world_size)
+        if world_size > 1 and self._shard_multiple != world_size and not self._splits_evenly(world_size):
+            logger.info("FlatParams: padding the flat buffers to split into %d equal shards", world_size)
+            self._shard_multiple = world_size
+            self._lay_out()
+        result: list[list[Shard]] = []
+        for index, group in enumerate(self._groups):
+            total = group.trainable_numel
+            if group.grad is None:
+                result.append([])
+                continue
+            size = total // world_size
+            trainable = list(zip(group.params[: group.n_trainable], group.offsets))
+            shards = []
+            for rank in range(world_size):
+                start, end = rank * size, (rank + 1) * size
+                pieces = tuple(
+                    (param, max(start, offset), min(end, offset + param.numel()))
+                    for param, offset in trainable
+                    if offset < end and offset + param.numel() > start
+                )
+                shards.append(Shard(index, rank, world_size, start, end, pieces))
+            result.append(shards)
+        return result
+
+    def _splits_evenly(self, world_size: int) -> bool:
+        for group in self._groups:
+            align = max(self.align_bytes // group.data.element_size(), 1)
+            if group.trainable_numel % (align * world_size):
+                return False
+        return True
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the coalesced parameters (by identity)."""
+        return param in self._slots
+
     def name_of(self, param: torch.nn.Parameter) -> str | None:
         """The name ``param`` was given (named parameters or a module), if any."""
         return self._names.get(param)
@@ -638,7 +818,7 @@ class FlatParams:
         for buffer in self.grad_buffers:
             buffer.zero_()
         for param, view in self._grad_views.items():
-            self._clean[param] = True
+            self._clean[id(param)] = True
             if param.grad is not None:
                 param.grad = view
 
@@ -670,7 +850,7 @@ class FlatParams:
             with torch.no_grad():
                 view.copy_(grad)
             param.grad = view
-            self._clean[param] = False
+            self._clean[id(param)] = False
 
     def _check_layout(self, param: torch.nn.Parameter) -> None:
         """Before copying a gradient into a slot: the parameter must still have the slot's strides.
@@ -704,9 +884,9 @@ class FlatParams:
         view = self.grad_view(param)
         grad = param.grad
         if grad is None:
-            if not self._clean[param]:
+            if not self._clean[id(param)]:
                 view.zero_()
-                self._clean[param] = True
+                self._clean[id(param)] = True
             return False
         if grad is not view and not _same_memory(grad, view):
             if grad.is_sparse:
@@ -715,7 +895,7 @@ class FlatParams:
             with torch.no_grad():
                 view.copy_(grad)
             param.grad = view
-        self._clean[param] = False
+        self._clean[id(param)] = False
         return True
 
     def attach_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -726,7 +906,7 @@ class FlatParams:
         """
         view = self.grad_view(param)
         param.grad = view
-        self._clean[param] = False
+        self._clean[id(param)] = False
         return view
 
     def describe(self) -> str:
@@ -766,7 +946,8 @@ class FlatParams:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         names = {copy_: self._names[p] for p, copy_ in zip(self._registered, params) if p in self._names}
-        new._setup(_unique_params(params)[0], names, self.bucket_mb, self.max_params_per_bucket, self.align_bytes)
+        new._setup(_unique_params(params)[0], names, self.bucket_mb, self.max_params_per_bucket, self.align_bytes,
+                   self._shard_multiple)
         new.layout_version = self.layout_version + 1
         return new
 
@@ -776,6 +957,7 @@ class FlatParams:
             "bucket_mb": self.bucket_mb,
             "max_params_per_bucket": self.max_params_per_bucket,
             "align_bytes": self.align_bytes,
+            "shard_multiple": self._shard_multiple,
             "layout_version": self.layout_version,
         }
 
@@ -783,7 +965,8 @@ class FlatParams:
         """Unpickling coalesces the loaded parameters again, into new buffers."""
         names = {p: name for name, p in state["params"] if name is not None}
         params = _unique_params([p for _, p in state["params"]])[0]
-        self._setup(params, names, state["bucket_mb"], state["max_params_per_bucket"], state["align_bytes"])
+        self._setup(params, names, state["bucket_mb"], state["max_params_per_bucket"], state["align_bytes"],
+                    state.get("shard_multiple", 1))
         self.layout_version = state["layout_version"] + 1
 
 
@@ -818,6 +1001,13 @@ _ADVICE = {
 }
 
 
+def _copy_in(grad: torch.Tensor, view: torch.Tensor, divisor: float) -> None:
+    if divisor == 1:
+        view.copy_(grad)
+    else:
+        torch.div(grad, divisor, out=view)
+
+
 def _same_memory(grad: torch.Tensor, view: torch.Tensor) -> bool:
     return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
@@ -832,9 +1022,29 @@ def _same_element_order(shape: tuple[int, ...], strides: tuple[int, ...], other:
     return all(a == b for size, a, b in zip(shape, strides, other) if size > 1)
 
 
-def owner_of(param: torch.Tensor) -> FlatParams | None:
-    """The FlatParams a parameter was coalesced into, if any."""
-    return _OWNER.get(param)
+def flat_params_of(param: torch.Tensor) -> FlatParams | None:
+    """The live FlatParams whose buffers hold ``param``, if any.
+
+    Read from the parameter's memory: each flat buffer's storage carries a
+    weak reference to its FlatParams. No registry is involved, so a
+    FlatParams nobody holds any more is freed (and its parameters count as
+    loose again). Meant for set-up code that is handed plain parameters
+    (``FusedAdam(model.parameters())`` after ``FusedDataParallel(model)``);
+    everything that works on a FlatParams afterwards holds it explicitly.
+
+    Example:
+        >>> import torch
+        >>> from tfuse.flat import FlatParams, flat_params_of
+        >>> layer = torch.nn.Linear(4, 2)
+        >>> flat = FlatParams(layer)
+        >>> flat_params_of(layer.weight) is flat
+        True
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"flat_params_of: expected a torch.Tensor, got {type(param).__name__}")
+    ref = getattr(param.untyped_storage(), _HOME_ATTR, None)
+    flat = ref() if ref is not None else None
+    return flat if flat is not None and flat.holds(param) else None
 
 
 def _unique_params(
@@ -878,7 +1088,7 @@ def _unique_params(
             )
         if not param.is_leaf:
             raise ValueError(f"FlatParams: can't coalesce a non-leaf Tensor ({what})")
-        owner = _OWNER.get(param)
+        owner = flat_params_of(param)
         if owner is not None:
             raise ValueError(f"FlatParams: {what} already lives in another FlatParams ({owner.describe()})")
         seen.add(id(param))
@@ -888,6 +1098,11 @@ def _unique_params(
     if not unique:
         raise ValueError("FlatParams got an empty parameter list")
     return unique, names
+
+
+def _check_world_size(world_size: int | None) -> None:
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"FlatParams: world_size must be a positive int or None, got {world_size!r}")
 
 
 def _check_options(bucket_mb: float | None, max_params_per_bucket: int | None, align_bytes: int) -> None:

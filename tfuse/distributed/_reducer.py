@@ -1,9 +1,11 @@
 """All-reduce of gradient buckets during backward, in a fixed order on every rank.
 
-The reducer listens to the post-accumulate-grad hooks of a
-:class:`~tfuse.flat.FlatParams` (which bring each new gradient into the flat
-buffer, dividing it by the world size on the way when this pass will
-all-reduce). Each call marks a parameter ready; when every parameter of a bucket is ready, buckets are
+The reducer is the gradient receiver of a :class:`~tfuse.flat.FlatParams`
+(:meth:`~tfuse.flat.FlatParams.set_grad_receiver`): backward hands it each
+parameter whose gradient autograd has finished, and it has the FlatParams
+bring that gradient into its bucket, passing the pass's averaging divisor
+(the world size, when this pass all-reduces) so that a fresh gradient is
+averaged as it is copied in. Each call marks a parameter ready; when every parameter of a bucket is ready, buckets are
 issued with ``async_op=True`` strictly in bucket order (a bucket that fills
 early waits for the ones before it), so every rank issues the same
 collectives in the same order whatever order its hooks fire in. A callback
@@ -62,11 +64,10 @@ class GradientReducer:
         self.find_unused = find_unused
         self.layout_version = flat.layout_version
         self.buckets: tuple[Bucket, ...] = tuple(flat.buckets)
-        buffers = flat.grad_buffers
-        self._regions = [buffers[b.buffer_index][b.start : b.end] for b in self.buckets]
+        self._regions = [bucket.grad for bucket in self.buckets]
         self._params = [p for bucket in self.buckets for p in bucket.params]
         self._names = names
-        self._bucket_of = {param: index for index, bucket in enumerate(self.buckets) for param in bucket.params}
+        self._bucket_of = {id(param): index for index, bucket in enumerate(self.buckets) for param in bucket.params}
         self._sizes = [len(bucket.params) for bucket in self.buckets]
         self.no_sync_depth = 0
         self.forward_skipped = False
@@ -77,26 +78,25 @@ class GradientReducer:
         self._reset_pass()
         self._in_backward = False
         self._syncing = False
-        self._divided: set[torch.nn.Parameter] = set()
-        self._remove_listener = flat.add_grad_ready_listener(_make_listener(weakref.ref(self)))
+        self._pass_divisor = 1.0  # what fresh gradients are divided by as they are copied in, this pass
+        self.retired = False  # a newer reducer took the parameters over
+        self._receiver = GradReceiver(self, flat)
+        flat.set_grad_receiver(self._receiver)
 
     # ------------------------------------------------------------------ lifecycle
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from the parameters (a newer wrapper took them over)."""
-        self._remove_listener()
-        self.flat.fresh_grad_divisor = 1.0
+        if self.flat.grad_receiver is self._receiver:
+            self.flat.set_grad_receiver(None)
+        self.retired = True
 
     def prepare_for_backward(self) -> None:
-        """Called by the wrapper's forward (grad enabled): decides what the next backward does.
+        """Called by the wrapper's forward (grad enabled): decides whether the next backward may all-reduce.
 
-        When it will all-reduce, the FlatParams divides fresh gradients by
-        the averaging divisor as it copies them into the buckets, which saves
-        a separate pass over the buckets.
+        As in DDP, a forward run inside ``no_sync()`` makes its backward accumulate locally.
         """
         self.forward_skipped = self.no_sync_depth > 0
-        syncs = not self.forward_skipped and self.merged_passes + 1 >= self.merge_steps
-        self.flat.fresh_grad_divisor = self._divisor if syncs else 1.0
 
     def check_idle(self) -> None:
         """Raises if the last backward pass broke off after issuing collectives.
@@ -121,33 +121,35 @@ class GradientReducer:
 
     def _reset_pass(self) -> None:
         self._ready_counts = [0] * len(self.buckets)
-        self._seen: set[torch.nn.Parameter] = set()
-        self._divided = set()
+        self._seen: set[int] = set()  # id(param) of the gradients ready in this pass
+        self._undivided: list[list[torch.nn.Parameter]] = [[] for _ in self.buckets]
         self._next = 0
         self._works: list = []
 
     # ------------------------------------------------------------------ backward
 
-    def on_grad_ready(self, param: torch.nn.Parameter, divided: bool) -> None:
-        """Listener body: ``param.grad`` is final for this backward pass and lives in its bucket.
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Receiver body: autograd has finished ``param.grad`` for this backward pass.
 
-        ``divided``: the gradient was divided by the averaging divisor as it was copied in.
+        Brings it into its bucket (averaged on the way in when this pass
+        all-reduces and the gradient is fresh), then marks it ready and
+        issues every bucket whose turn has come.
         """
         if not self._in_backward:
             self._start_pass()
-        if not self._syncing:
-            if divided:  # cannot happen: the divisor is only set for passes that sync
-                raise RuntimeError("FusedDataParallel: internal error: a gradient was averaged in a pass that does not sync")
-            return
-        if param in self._seen:
+        divided = self.flat.bring_home(param, self._pass_divisor)
+        if divided is None or not self._syncing:
+            return  # create_graph=True keeps the gradient outside until the end of backward
+        key = id(param)
+        if key in self._seen:
             raise RuntimeError(
                 f"FusedDataParallel: parameter {self._names[param]!r} received its gradient twice in one backward "
                 "pass (reentrant activation checkpointing? use torch.utils.checkpoint(..., use_reentrant=False))"
             )
-        self._seen.add(param)
-        if divided:
-            self._divided.add(param)
-        index = self._bucket_of[param]
+        self._seen.add(key)
+        index = self._bucket_of[key]
+        if not divided:  # accumulated in place (or set by hand into the view): divided when issued
+            self._undivided[index].append(param)
         self._ready_counts[index] += 1
         while self._next < len(self.buckets) and self._ready_counts[self._next] == self._sizes[self._next]:
             self._issue(self._next)
@@ -163,7 +165,7 @@ class GradientReducer:
         if not self.forward_skipped:
             self.merged_passes += 1
         self._syncing = not self.forward_skipped and self.merged_passes >= self.merge_steps
-        self.flat.fresh_grad_divisor = self._divisor if self._syncing else 1.0
+        self._pass_divisor = self._divisor if self._syncing else 1.0
         self.synchronized = False
         # Runs once backward has finished every node; it waits for the all-reduces.
         torch.autograd.Variable._execution_engine.queue_callback(_make_finish(weakref.ref(self)))
@@ -173,8 +175,8 @@ class GradientReducer:
         if self._divisor != 1:
             # Divide before summing so float16/bfloat16 sums stay in range; gradients copied
             # into the bucket in this pass were divided on the way in.
-            pending = [p for p in self.buckets[index].params if p not in self._divided]
-            if len(pending) == len(self.buckets[index].params):
+            pending = self._undivided[index]
+            if len(pending) == self._sizes[index]:
                 region.div_(self._divisor)
             else:
                 for param in pending:
@@ -185,14 +187,18 @@ class GradientReducer:
     def finish_pass(self) -> None:
         """End-of-backward callback: issues what is left, waits for everything, checks for missing gradients."""
         self._in_backward = False
-        self.flat.fresh_grad_divisor = 1.0
+        self._pass_divisor = 1.0
         if not self._syncing:
             return
         self.merged_passes = 0
-        missing = [p for index in range(self._next, len(self.buckets)) for p in self.buckets[index].params if p not in self._seen]
-        for param in missing:
-            # Missing here may still hold a gradient from an earlier merged pass; none means zeros.
-            self.flat.adopt_grad(param)
+        missing = []
+        for index in range(self._next, len(self.buckets)):
+            for param in self.buckets[index].params:
+                if id(param) not in self._seen:
+                    missing.append(param)
+                    # It may still hold a gradient from an earlier merged pass (divided when issued); none: zeros.
+                    self.flat.adopt_grad(param)
+                    self._undivided[index].append(param)
         for index in range(self._next, len(self.buckets)):
             self._issue(index)
         used_counts = self._all_reduce_used_flags() if self.find_unused else None
@@ -228,13 +234,27 @@ class GradientReducer:
         )
 
 
-def _make_listener(reducer: weakref.ref):
-    def listener(param: torch.nn.Parameter, divided: bool) -> None:
-        target = reducer()
-        if target is not None:
-            target.on_grad_ready(param, divided)
+class GradReceiver:
+    """What a FlatParams hands finished gradients to while a reducer is attached (weak both ways).
 
-    return listener
+    A reducer that was garbage-collected (its wrapper deleted) leaves the
+    FlatParams' default behaviour: the gradient is brought home undivided.
+    """
+
+    __slots__ = ("reducer", "flat")
+
+    def __init__(self, reducer: GradientReducer, flat: FlatParams) -> None:
+        self.reducer = weakref.ref(reducer)
+        self.flat = weakref.ref(flat)
+
+    def __call__(self, param: torch.nn.Parameter) -> None:
+        target = self.reducer()
+        if target is not None:
+            target.on_grad_ready(param)
+            return
+        flat = self.flat()
+        if flat is not None:
+            flat.bring_home(param)
 
 
 def _make_finish(reducer: weakref.ref):

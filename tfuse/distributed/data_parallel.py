@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tfuse.distributed._reducer import GradientReducer
+from tfuse.distributed._reducer import GradientReducer, GradReceiver
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
-from tfuse.flat import Bucket, FlatParams, owner_of, register_compact_state_dict
+from tfuse.flat import Bucket, FlatParams, flat_params_of, register_compact_state_dict
 
 logger = logging.getLogger(__name__)
-
-# The reducer currently attached to each FlatParams: wrapping the same
-# parameters again (after changing requires_grad, say) retires the old one.
-_ACTIVE_REDUCER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class FusedDataParallel(torch.nn.Module):
@@ -165,14 +160,12 @@ class FusedDataParallel(torch.nn.Module):
             check_replicas_match(describe_replica(module, flat, names, options), process_group, device)
             broadcast_parameters(flat, process_group)
             broadcast_tensors(list(module.buffers()), process_group)
-        previous = _ACTIVE_REDUCER.get(flat)
-        if previous is not None and previous() is not None:
-            previous().remove_hooks()
-            previous().retired = True
+        # Wrapping the same parameters again (after changing requires_grad, say) retires the reducer attached now.
+        previous = flat.grad_receiver
+        if isinstance(previous, GradReceiver) and previous.reducer() is not None:
+            previous.reducer().remove_hooks()
         self._reducer = GradientReducer(flat, names, process_group, self.gradient_merge_steps, self.gradient_merge_avg,
                                         self.find_unused_parameters)
-        self._reducer.retired = False
-        _ACTIVE_REDUCER[flat] = weakref.ref(self._reducer)
         register_compact_state_dict(module)
         self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
         self.num_allreduce_calls = len(flat.buckets)
@@ -371,12 +364,12 @@ def _flat_params_for(
     params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str], bucket_mb: float | None, max_params: int | None
 ) -> FlatParams:
     """A new FlatParams for ``params``, or the existing one that holds exactly them (re-bucketed)."""
-    owners = {owner_of(p) for p in params}
+    owners = {flat_params_of(p) for p in params}
     if owners == {None}:
         return FlatParams([(names[p], p) for p in params], bucket_mb=bucket_mb, max_params_per_bucket=max_params)
     owner = next(iter(owners)) if len(owners) == 1 else None
     if owner is None or set(owner.params) != set(params):
-        taken = next(p for p in params if owner_of(p) is not None)
+        taken = next(p for p in params if flat_params_of(p) is not None)
         raise ValueError(
             f"FusedDataParallel: parameter {names[taken]!r} already lives in a FlatParams that does not hold exactly "
             "this module's parameters (a fused optimizer created before wrapping, over a different set?); wrap the "

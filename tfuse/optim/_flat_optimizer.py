@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tfuse._backend import Backend, interpreter_active, requested_backend, select_backend
-from tfuse.flat import FlatGroup, FlatParams, owner_of
+from tfuse.flat import FlatGroup, FlatParams, flat_params_of
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._build_units()
 
     def _coalesce(self, params: list[torch.Tensor]) -> None:
-        loose = [p for p in params if owner_of(p) is None]
+        loose = [p for p in params if flat_params_of(p) is None]
         if loose:
             self._owned.append(FlatParams(loose))
 
@@ -329,7 +329,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         owners: dict[int, FlatParams] = {}
         for group in self.param_groups:
             for param in group["params"]:
-                owner = owner_of(param)
+                owner = flat_params_of(param)
                 owners[id(owner)] = owner
                 by_place.setdefault((id(owner), param.device, param.dtype), []).append(param)
         existing = {(id(u.owner), u.device, u.dtype): u for u in self._units}

@@ -7,7 +7,11 @@ that does not change from one step to the next is worked out once and cached:
 * a *plan* per parameter list (keyed by the parameters' identities, checked
   through weak references, and by the layout version of every FlatParams
   involved): which parameters have a gradient slot in which flat buffer, at
-  which offsets, and which do not;
+  which offsets (read from the FlatParams' stated layout,
+  :meth:`~tfuse.flat.FlatParams.range_of`), and which do not. The FlatParams
+  are the ones handed in (a FlatParams, or a tfuse optimizer's
+  ``flat_params``); plain parameters lead to theirs through
+  :func:`~tfuse.flat.flat_params_of` once, when the plan is made;
 * per flat buffer of a plan, *block tables* keyed by which slots hold a
   gradient this call: device tensors that the kernels read, so a call that
   reuses one copies nothing from the host.
@@ -30,7 +34,7 @@ import operator
 import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -43,7 +47,7 @@ from torch.utils._foreach_utils import (
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, select_backend
 from tfuse._launch import launch
-from tfuse.flat import FlatParams, owner_of
+from tfuse.flat import FlatParams, flat_params_of
 
 BLOCK = 4096  # elements per program of the partial-norm and scaling kernels
 NUM_WARPS = 8  # 16 elements (four 128-bit vectors of float32) per thread
@@ -108,10 +112,13 @@ def clip_grad_norm_(
         >>> bool(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in flat])) <= 1.0 + 1e-5)
         True
     """
+    homes: tuple[FlatParams, ...] | None = None  # the FlatParams the parameters may live in, when known
     if isinstance(parameters, torch.optim.Optimizer):
         params = [param for group in parameters.param_groups for param in group["params"]]
+        homes = getattr(parameters, "flat_params", None)
     elif isinstance(parameters, FlatParams):
         params = parameters.params
+        homes = (parameters,)
     elif isinstance(parameters, torch.Tensor):
         params = [parameters]
     else:
@@ -127,7 +134,7 @@ def clip_grad_norm_(
     max_norm = float(max_norm)
 
     grads = list(map(_GRAD, params))
-    plan = _plan_for(params, grads)
+    plan = _plan_for(params, grads, homes)
     loose: list[torch.Tensor] = [grads[i] for i in plan.other_index if grads[i] is not None]
     flags = plan.slot_flags(grads, loose)
     first = next((g for g in grads if g is not None), None)
@@ -289,32 +296,27 @@ class _Segment:
 class _Plan:
     """Where the gradients of one parameter list live. See the module docstring."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], homes: tuple[FlatParams, ...] | None) -> None:
         self.refs = [weakref.ref(param) for param in params]
+        self.homes = None if homes is None else tuple(weakref.ref(home) for home in homes)
+        home_of = _home_finder(homes)
         seen: set[int] = set()
-        # (owner id, buffer position) -> (owner, buffer, [(offset, index in params, view)])
+        # (owner id, buffer index) -> (owner, gradient buffer, [(offset, index in params, view)])
         by_buffer: dict[tuple[int, int], tuple[FlatParams, torch.Tensor, list]] = {}
-        slot_of: dict[int, dict[int, tuple[int, int]]] = {}  # owner id -> param id -> (buffer position, offset)
         other = []
         for index, param in enumerate(params):
-            owner = owner_of(param) if id(param) not in seen else None  # a repeat counts again, as a loose grad
+            owner = home_of(param) if id(param) not in seen else None  # a repeat counts again, as a loose grad
             seen.add(id(param))
-            where = None
-            if owner is not None:
-                slots = slot_of.get(id(owner))
-                if slots is None:
-                    slots = slot_of[id(owner)] = _slots_of(owner)
-                where = slots.get(id(param))
-            if where is None:
+            where = owner.range_of(param) if owner is not None else None
+            if where is None or not where.trainable:
                 other.append(index)
                 continue
-            position, offset = where
-            buffers = owner.grad_buffers
-            entry = by_buffer.setdefault((id(owner), position), (owner, buffers[position], []))
-            entry[2].append((offset, index, owner.grad_view(param)))
+            buffer = owner.groups[where.buffer].grad
+            entry = by_buffer.setdefault((id(owner), where.buffer), (owner, buffer, []))
+            entry[2].append((where.start, index, owner.grad_view(param)))
         self.other_index = tuple(other)
         # Parameters in no FlatParams when the plan was made: one coalesced since then must make a new plan.
-        self.unowned = tuple(i for i in other if owner_of(params[i]) is None)
+        self.unowned = tuple(i for i in other if home_of(params[i]) is None)
         self.segments: list[_Segment] = []
         slot_index, views = [], []
         for owner, buffer, slots in by_buffer.values():
@@ -337,9 +339,11 @@ class _Plan:
             owner = segment.owner()
             if owner is None or owner.layout_version != segment.layout_version or segment.buffer() is None:
                 return False
+        if self.homes is not None and any(ref() is None for ref in self.homes):
+            return False
         for index in self.unowned:
             grad = grads[index]
-            if grad is not None and grad._base is not None and owner_of(params[index]) is not None:
+            if grad is not None and grad._base is not None and flat_params_of(params[index]) is not None:
                 return False
         return True
 
@@ -365,17 +369,12 @@ class _Plan:
         return bytes(fixed)
 
 
-def _slots_of(owner: FlatParams) -> dict[int, tuple[int, int]]:
-    """param id -> (index in owner.grad_buffers, element offset), for every parameter with a gradient slot."""
-    slots = {}
-    position = 0
-    for group in owner.groups:
-        if group.grad is None:
-            continue
-        for param, offset in zip(group.params[: group.n_trainable], group.offsets):
-            slots[id(param)] = (position, offset)
-        position += 1
-    return slots
+def _home_finder(homes: tuple[FlatParams, ...] | None) -> Callable[[torch.Tensor], FlatParams | None]:
+    """param -> the FlatParams holding it: among ``homes`` when given, else read from the parameter's memory."""
+    if homes is None:
+        return flat_params_of
+    by_id = {id(param): home for home in homes for param in home.params}
+    return lambda param: by_id.get(id(param))
 
 
 def _same_memory(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
@@ -389,13 +388,13 @@ def _same_memory(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
 _plans: collections.OrderedDict[tuple[int, ...], _Plan] = collections.OrderedDict()
 
 
-def _plan_for(params: list[torch.Tensor], grads: list) -> _Plan:
-    key = tuple(map(id, params))
+def _plan_for(params: list[torch.Tensor], grads: list, homes: tuple[FlatParams, ...] | None) -> _Plan:
+    key = tuple(map(id, params)) + (() if homes is None else (None, *map(id, homes)))
     plan = _plans.get(key)
     if plan is not None and plan.valid_for(params, grads):
         _plans.move_to_end(key)
         return plan
-    plan = _plans[key] = _Plan(params)
+    plan = _plans[key] = _Plan(params, homes)
     _plans.move_to_end(key)
     if len(_plans) > _PLAN_CACHE_SIZE:
         _plans.popitem(last=False)

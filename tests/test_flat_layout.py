@@ -1,0 +1,159 @@
+"""The flat layout FlatParams states: ranges, buckets as views, shards, finding a parameter's FlatParams, the grad receiver."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from tfuse.flat import FlatParams, ParamRange, flat_params_of
+
+
+def mixed_model(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.Conv2d(3, 4, 3), nn.Linear(5, 2)).to(device)
+    model[1].weight.data = model[1].weight.data.to(memory_format=torch.channels_last)
+    model[0].bias.requires_grad_(False)
+    return model
+
+
+def test_ranges_say_where_every_parameter_lives(device):
+    model = mixed_model(device)
+    flat = FlatParams(model)
+    ranges = flat.ranges()
+    assert len(ranges) == len(list(model.parameters()))
+    for param in model.parameters():
+        where = flat.range_of(param)
+        assert isinstance(where, ParamRange) and where.numel == param.numel()
+        buffer = flat.param_buffers[where.buffer]
+        view = where.view(buffer)
+        assert view.data_ptr() == param.data_ptr() and view.stride() == param.stride()  # memory format kept
+        assert torch.equal(view, param)
+        assert where.trainable == param.requires_grad
+        if param.requires_grad:
+            assert where.view(flat.groups[where.buffer].grad).data_ptr() == flat.grad_view(param).data_ptr()
+    # Ranges never overlap and start aligned (256 bytes = 64 float32 elements).
+    spans = sorted((r.buffer, r.start, r.end) for r in ranges)
+    assert all(a[2] <= b[1] for a, b in zip(spans, spans[1:]) if a[0] == b[0])
+    assert all(r.start % 64 == 0 for r in ranges)
+    with pytest.raises(KeyError, match="not coalesced"):
+        flat.range_of(nn.Parameter(torch.zeros(2)))
+
+
+def test_buckets_are_views_of_the_gradient_buffer(device):
+    model = mixed_model(device)
+    flat = FlatParams(model, bucket_mb=200e-6)
+    assert len(flat.buckets) > 1
+    for bucket in flat.buckets:
+        grad = flat.grad_buffers[bucket.buffer_index]
+        assert bucket.grad.numel() == bucket.numel
+        assert bucket.grad.data_ptr() == grad[bucket.start :].data_ptr()
+        for param in bucket.params:
+            where = flat.range_of(param)
+            assert bucket.start <= where.start and where.end <= bucket.end
+    flat.grad_buffers[0].fill_(3.0)
+    assert all(bool((b.grad == 3.0).all()) for b in flat.buckets)  # same memory, no copy
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_shards_are_equal_aligned_and_cover_every_trainable_element(world_size, device):
+    model = mixed_model(device)
+    flat = FlatParams(model, world_size=world_size)
+    version = flat.layout_version
+    shards = flat.shards(world_size)
+    assert flat.layout_version == version  # laid out for this world size already: nothing moves
+    for index, group in enumerate(flat.groups):
+        per_rank = shards[index]
+        if group.grad is None:
+            assert per_rank == []
+            continue
+        assert [s.rank for s in per_rank] == list(range(world_size))
+        sizes = {s.numel for s in per_rank}
+        assert len(sizes) == 1 and sizes.pop() % 64 == 0  # equal, and a whole number of 256-byte blocks
+        assert per_rank[0].start == 0 and per_rank[-1].end == group.grad.numel()
+        assert all(a.end == b.start for a, b in zip(per_rank, per_rank[1:]))
+        # Every trainable element of every parameter is in exactly one shard's pieces.
+        covered = {}
+        for shard in per_rank:
+            for param, start, end in shard.ranges:
+                assert shard.start <= start < end <= shard.end
+                covered.setdefault(id(param), 0)
+                covered[id(param)] += end - start
+        trainable = group.params[: group.n_trainable]
+        assert covered == {id(p): p.numel() for p in trainable}
+        # Frozen parameters lie after the padded trainable range: gathering shards never overwrites them.
+        assert all(flat.range_of(p).start >= group.grad.numel() for p in group.params[group.n_trainable :])
+
+
+def test_shards_for_a_new_world_size_pad_the_buffers_and_keep_values_and_gradients(device):
+    model = mixed_model(device)
+    flat = FlatParams(model)
+    model[2](model[0](torch.randn(3, 7, device=device))).sum().backward()
+    before = {name: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()}
+    version = flat.layout_version
+    numel = flat.grad_buffers[0].numel()
+    world = next(w for w in range(2, 64) if numel % (64 * w))  # one the unpadded buffer does not split evenly for
+    shards = flat.shards(world)
+    assert flat.layout_version > version
+    assert len({s.numel for s in shards[0]}) == 1
+    for name, param in model.named_parameters():
+        value, grad = before[name]
+        assert torch.equal(param, value)
+        assert (grad is None and param.grad is None) or torch.equal(param.grad, grad)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        flat.shards(0)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        FlatParams([nn.Parameter(torch.zeros(3, device=device))], world_size=True)
+
+
+def test_a_parameter_leads_to_its_flat_params_and_nothing_keeps_it_alive(device):
+    model = mixed_model(device)
+    flat = FlatParams(model)
+    frozen = model[0].bias
+    assert all(flat_params_of(p) is flat for p in model.parameters())  # frozen ones too
+    assert flat_params_of(nn.Parameter(torch.zeros(2, device=device))) is None
+    assert flat_params_of(flat.param_buffers[0]) is None  # the buffer itself is not a coalesced parameter
+    ref = weakref.ref(flat)
+    del flat
+    gc.collect()
+    assert ref() is None  # no registry holds it
+    assert flat_params_of(frozen) is None
+    again = FlatParams(model)  # the parameters are free to be coalesced again
+    assert flat_params_of(frozen) is again
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        flat_params_of("weight")
+
+
+def test_the_grad_receiver_gets_each_gradient_and_passes_the_divisor(device):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(device)
+    reference = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(device)
+    reference.load_state_dict(model.state_dict())
+    flat = FlatParams(model)
+    received = []
+
+    def receiver(param):
+        received.append((param, flat.bring_home(param, 4.0)))
+
+    flat.set_grad_receiver(receiver)
+    assert flat.grad_receiver is receiver
+    x = torch.randn(5, 4, device=device)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert {id(p) for p, _ in received} == {id(p) for p in model.parameters()}
+    assert all(divided for _, divided in received)  # fresh gradients: divided on the way in
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert mine.grad.data_ptr() == flat.grad_view(mine).data_ptr()
+        torch.testing.assert_close(mine.grad, theirs.grad / 4.0)
+    received.clear()
+    model(x).sum().backward()  # accumulates in place into the views: nothing divided
+    assert received and not any(divided for _, divided in received)
+    flat.set_grad_receiver(None)
+    model.zero_grad()
+    model(x).sum().backward()
+    reference.zero_grad()
+    reference(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
