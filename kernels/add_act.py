@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .activations import _act_backward_from_output, _activation, _activation_backward
 from .cast import _cast_to
+from .kit import _acc_dtype
 from .tiles import (
     COL,
     LINEAR,
@@ -298,10 +299,7 @@ def _add_act_bwd_kernel(
         col_block = col_block.to(tl.int64)
         group = group.to(tl.int64)
     n_col_blocks = tl.num_programs(0)
-    if ACC_FP64:
-        acc_dtype: tl.constexpr = tl.float64
-    else:
-        acc_dtype: tl.constexpr = tl.float32
+    acc_dtype: tl.constexpr = _acc_dtype(ACC_FP64)
     lanes = tl.arange(0, BLOCK_COLS)
     col_start = col_block * block_width
     cols = col_start + lanes

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .activations import _act, _act_backward, _act_backward_from_output
 from .cast import _cast_to
+from .kit import _acc_dtype
 
 # How a reduction program turns its per-lane sums into per-channel sums.
 SEG_LANE = tl.constexpr(0)  # column == channel (channels_last)
@@ -164,10 +165,7 @@ def _bn_stats_partial_kernel(
 
     Writes buf[4C + chunk * C + c] (mean) and buf[4C + (n_chunks + chunk) * C + c] (M2).
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     C = n_cols // SS
     start, end = _bn_group_window(tl.program_id(0), n_cols, GW, VEC)
     row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
@@ -236,10 +234,7 @@ def _bn_stats_final_kernel(
     Writes the table buf[0:4C] = [mean, 1/sqrt(var + eps), weight/sqrt(var + eps), bias]
     and updates the running statistics (running_var gets the unbiased variance, as torch).
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < C
     partials = buf_ptr + 4 * C
@@ -295,10 +290,7 @@ def _bn_act_fwd_kernel(
 
     The per-channel values are gathered once per lane, then reused down the rows.
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     cols, col_mask = _bn_columns(n_cols, BL, VEC)
     mean, invstd, scale, bias = _bn_lane_params(
         p_ptr, var_ptr, weight_ptr, bias_ptr, cols // SS, col_mask, n_cols // SS, eps, FROM_RUNNING, AFFINE, acc
@@ -357,10 +349,7 @@ def _bn_act_bwd_reduce_kernel(
     d(residual) = dy' here in either mode (the dx pass then reads dy' back
     instead of dy and the saved tensor).
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     C = n_cols // SS
     start, end = _bn_group_window(tl.program_id(0), n_cols, GW, VEC)
     row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
@@ -418,10 +407,7 @@ def _bn_bwd_final_kernel(
     pass's table buf[0:5C] = [mean, scale, bias, scale * mean(dy'), scale / std * mean(dy' x_hat)]
     from the forward's table p_ptr.
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < C
     partials = buf_ptr + 5 * C
@@ -467,10 +453,7 @@ def _bn_act_bwd_dx_kernel(
     FROM_DZ: dy' is read from src_ptr, the d(residual) the first pass wrote
     (it is dy'), instead of being recomputed from dy and the saved tensor.
     """
-    if ACC_FP64:
-        acc: tl.constexpr = tl.float64
-    else:
-        acc: tl.constexpr = tl.float32
+    acc: tl.constexpr = _acc_dtype(ACC_FP64)
     cols, col_mask = _bn_columns(n_cols, BL, VEC)
     C = n_cols // SS
     channels = cols // SS

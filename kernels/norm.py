@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .cast import _cast_to
+from .kit import _acc_dtype
 
 # NORM kinds (constexpr): general p, 2 (sum of squares), 1 (sum of |x|), inf (max |x|).
 NORM_P = tl.constexpr(0)
@@ -163,10 +164,7 @@ def _clip_segments_kernel(grad_ptr, blocks_ptr, norm_ptr, max_norm_hi, max_norm_
     """
     # The norm comes in the result dtype, as torch returns it; the coefficient is computed from
     # it in float32 (float64 for a float64 norm) and rounded to that dtype, as torch does.
-    if norm_ptr.dtype.element_ty == tl.float64:
-        ACC: tl.constexpr = tl.float64
-    else:
-        ACC: tl.constexpr = tl.float32
+    ACC: tl.constexpr = _acc_dtype(norm_ptr.dtype.element_ty == tl.float64)
     start, length, body = _block_span(blocks_ptr, ALIGN, HAS_TAIL)
     base = grad_ptr + start
     max_norm = tl.cast(max_norm_hi, ACC) + tl.cast(max_norm_lo, ACC)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .cast import _cast_to
+from .kit import _acc_dtype
 
 # Columns of an Adam coefficient row. 1 - beta comes from the host in float64:
 # computed in float32 from a rounded beta2 = 0.999 it would be 1.3e-5 off.
@@ -100,10 +101,7 @@ def _adam_kernel(
     EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """Adam / AdamW (torch.optim semantics) over one block of a flat buffer."""
-    if ACC_FP64:
-        ACC: tl.constexpr = tl.float64
-    else:
-        ACC: tl.constexpr = tl.float32
+    ACC: tl.constexpr = _acc_dtype(ACC_FP64)
     offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ADAM_ROW, BLOCK, START_ALIGN, END_ALIGN)
     step_size = tl.load(row + ADAM_STEP_SIZE).to(ACC)
     beta1 = tl.load(row + ADAM_BETA1).to(ACC)
@@ -153,10 +151,7 @@ def _sgd_kernel(
     EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """SGD with optional momentum, dampening and Nesterov (torch.optim.SGD semantics) over one block."""
-    if ACC_FP64:
-        ACC: tl.constexpr = tl.float64
-    else:
-        ACC: tl.constexpr = tl.float32
+    ACC: tl.constexpr = _acc_dtype(ACC_FP64)
     offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, SGD_ROW, BLOCK, START_ALIGN, END_ALIGN)
     lr = tl.load(row + SGD_LR).to(ACC)
     weight_decay = tl.load(row + SGD_WEIGHT_DECAY).to(ACC)

@@ -23,6 +23,8 @@ edge tiles are masked.
 import triton
 import triton.language as tl
 
+from .kit import _acc_dtype
+
 # Addressing modes. (Kernels may read globals only if they are tl.constexpr;
 # launchers use .value.)
 LINEAR = tl.constexpr(0)  # same strides as the output: operand offset == output offset
@@ -222,10 +224,7 @@ def _sum_tile_of_program(
     rows, cols, offsets, row_mask, col_mask, mask = _tile_of_program(
         pid, n_rows, n_cols, ONE_ROW, BLOCK_ROWS, BLOCK_COLS
     )
-    if ACC_FP64:
-        acc_dtype: tl.constexpr = tl.float64
-    else:
-        acc_dtype: tl.constexpr = tl.float32
+    acc_dtype: tl.constexpr = _acc_dtype(ACC_FP64)
     acc = _sum_operands(
         in_ptrs, in_strides, MODES, N_INPUTS, rows, cols, offsets, row_mask, col_mask, mask,
         outer_sizes, OUTER_RANK, acc_dtype, col_divs, COL_RANK, INDEX_64, MASKED,

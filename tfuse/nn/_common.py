@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as torch_F
 from torch import fx
 
-from tfuse.ops._activations import check_activation
+from tfuse.ops._activations import DEFAULT_NEGATIVE_SLOPE, Activation, check_activation
 
-#: nn.LeakyReLU's default slope, used when ``act="leaky_relu"`` comes without one.
-DEFAULT_NEGATIVE_SLOPE = 0.01
+# Modules keep ``act`` as the public string (it is in their repr and users read
+# and compare it); the helpers below resolve it to its table entry, a dict lookup.
 
 
 def resolve_activation(owner: str, act: object, negative_slope: object) -> tuple[str, float | None]:
@@ -28,20 +27,20 @@ def resolve_activation(owner: str, act: object, negative_slope: object) -> tuple
             with an activation other than leaky_relu.
     """
     slope = DEFAULT_NEGATIVE_SLOPE if negative_slope is None else negative_slope
-    act, slope = check_activation(owner, act, slope)
-    if act != "leaky_relu":
+    activation, slope = check_activation(owner, act, slope)
+    if not activation.takes_slope:
         if negative_slope is not None:
             raise ValueError(
-                f"tfuse.{owner}: negative_slope={negative_slope!r} has no effect with act={act!r}; "
+                f"tfuse.{owner}: negative_slope={negative_slope!r} has no effect with act={activation.label!r}; "
                 f"it is the slope of act='leaky_relu' only"
             )
-        return act, None
-    return act, slope
+        return activation.label, None
+    return activation.label, slope
 
 
 def act_kwargs(act: str, negative_slope: float | None) -> dict[str, Any]:
     """Keyword arguments of a tfuse functional call for this activation (the slope only for leaky_relu)."""
-    if act == "leaky_relu":
+    if Activation.from_name(act).takes_slope:
         return {"act": act, "negative_slope": negative_slope}
     return {"act": act}
 
@@ -53,30 +52,14 @@ def slope_value(negative_slope: float | None) -> float:
 
 def act_repr(act: str, negative_slope: float | None) -> str:
     """``act='relu'``, or ``act='leaky_relu', negative_slope=0.2``: the activation part of a module's repr."""
-    if act == "leaky_relu":
+    if Activation.from_name(act).takes_slope:
         return f"act={act!r}, negative_slope={negative_slope}"
     return f"act={act!r}"
 
 
 def torch_activation(y: torch.Tensor, act: str, negative_slope: float | None) -> torch.Tensor:
     """``act(y)`` with torch's own (out-of-place) functions."""
-    if act == "identity":
-        return y
-    if act == "relu":
-        return torch_F.relu(y)
-    if act == "leaky_relu":
-        return torch_F.leaky_relu(y, slope_value(negative_slope))
-    if act == "gelu":
-        return torch_F.gelu(y)
-    if act == "gelu_tanh":
-        return torch_F.gelu(y, approximate="tanh")
-    if act == "silu":
-        return torch_F.silu(y)
-    if act == "sigmoid":
-        return torch.sigmoid(y)
-    if act == "tanh":
-        return torch.tanh(y)
-    raise ValueError(f"unknown activation {act!r}")
+    return Activation.from_name(act).forward(y, slope_value(negative_slope))
 
 
 def fx_leaf_call(module: torch.nn.Module, *args: Any) -> fx.Proxy | None:

@@ -7,7 +7,7 @@ import torch.nn.functional as torch_F
 from torch import nn
 
 from tfuse.nn._common import act_repr, fx_leaf_call, resolve_activation, slope_value
-from tfuse.ops._activations import grad_from_output
+from tfuse.ops._activations import Activation, GradSource
 from tfuse.ops.add_act import linear_epilogue
 
 
@@ -104,7 +104,8 @@ class FusedLinear(nn.Linear):
         if traced is not None:
             return traced
         bias = self.bias
-        if self.act == "identity":
+        act = Activation.from_name(self.act)
+        if act is Activation.IDENTITY:
             if bias is not None and x.dtype == self.weight.dtype:
                 self._check_bias_dtype(bias, self.weight.dtype, x.device)
             return torch_F.linear(x, self.weight, bias)  # exactly nn.Linear
@@ -114,7 +115,7 @@ class FusedLinear(nn.Linear):
             bias = bias.to(product.dtype)  # nn.Linear's addmm casts its bias the same way under autocast
         # The product is ours alone: activations whose gradient follows from
         # their output overwrite it instead of allocating a second tensor.
-        return linear_epilogue(product, bias, self.act, slope_value(self.negative_slope), inplace=self._epilogue_in_place)
+        return linear_epilogue(product, bias, act, slope_value(self.negative_slope), inplace=self._epilogue_in_place)
 
     @staticmethod
     def _check_bias_dtype(bias: torch.Tensor, product_dtype: torch.dtype, device: torch.device) -> None:
@@ -126,7 +127,9 @@ class FusedLinear(nn.Linear):
 
     @property
     def _epilogue_in_place(self) -> bool:
-        return self.act == "identity" or grad_from_output(self.act, slope_value(self.negative_slope))
+        """The activation's backward needs no pre-activation, so the product may be overwritten."""
+        source = Activation.from_name(self.act).grad_source(slope_value(self.negative_slope))
+        return source is not GradSource.INPUT
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {act_repr(self.act, self.negative_slope)}"

@@ -1,34 +1,201 @@
-"""The activations tfuse fuses: names, kernel codes, and their PyTorch path.
+"""The activations tfuse fuses, as one table: :class:`Activation`.
 
-The PyTorch path uses torch's own activation kernels and their fused backward
-kernels, on float32 (float64) tensors.
+Each member carries what every layer needs of an activation:
+
+* its public name (``Activation.GELU_TANH.label == "gelu_tanh"``), the
+  string users pass as ``act=`` (:meth:`Activation.from_name`);
+* its kernel code, the ``ACT`` constexpr of kernels/activations.py (the
+  member's int value, ``Activation.RELU.code``; kernels cannot import tfuse,
+  so the codes are spelled there and read here, and tests pin the two);
+* its PyTorch path: :meth:`~Activation.forward` (out of place),
+  :meth:`~Activation.forward_` (in place where torch has an in-place form)
+  and :meth:`~Activation.backward` (torch's fused backward kernels);
+* what its backward needs besides the incoming gradient
+  (:meth:`~Activation.grad_source`): nothing, the output, or the input.
+
+Strings are resolved to a member once, where the public API takes them
+(:func:`check_activation`); launchers, autograd Functions and modules pass
+the member on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from tfuse import kernels
 
-#: Activation name -> constexpr code of kernels/activations.py.
-ACTIVATIONS: dict[str, int] = {
-    "relu": kernels.activations.RELU.value,
-    "leaky_relu": kernels.activations.LEAKY_RELU.value,
-    "gelu": kernels.activations.GELU.value,
-    "gelu_tanh": kernels.activations.GELU_TANH.value,
-    "silu": kernels.activations.SILU.value,
-    "sigmoid": kernels.activations.SIGMOID.value,
-    "tanh": kernels.activations.TANH.value,
-    "identity": kernels.activations.IDENTITY.value,
+_codes = kernels.activations
+
+
+class GradSource(enum.Enum):
+    """What ``act'`` is computed from in backward, besides ``dy``."""
+
+    NONE = "none"  #: nothing: the derivative is constant (identity)
+    OUTPUT = "output"  #: the output y = act(z): the derivative follows from it
+    INPUT = "input"  #: the pre-activation z (recomputed from saved inputs)
+
+
+class Activation(enum.IntEnum):
+    """An activation of tfuse's fused ops; its value is its kernel code (``ACT``).
+
+    Members are declared in the order error messages list them.
+    """
+
+    RELU = _codes.RELU.value
+    LEAKY_RELU = _codes.LEAKY_RELU.value
+    GELU = _codes.GELU.value  # erf form
+    GELU_TANH = _codes.GELU_TANH.value  # tanh approximation
+    SILU = _codes.SILU.value
+    SIGMOID = _codes.SIGMOID.value
+    TANH = _codes.TANH.value
+    IDENTITY = _codes.IDENTITY.value
+
+    @classmethod
+    def from_name(cls, name: str) -> Activation:
+        """The member named ``name`` (``"relu"``, ``"gelu_tanh"``, ...).
+
+        Raises:
+            ValueError: no activation has that name.
+        """
+        member = _BY_LABEL.get(name) if isinstance(name, str) else None
+        if member is None:
+            raise ValueError(f"unknown activation {name!r}; supported: {', '.join(_BY_LABEL)}")
+        return member
+
+    @property
+    def label(self) -> str:
+        """The public name: what ``act=`` takes and module reprs show."""
+        return self.name.lower()
+
+    @property
+    def code(self) -> int:
+        """The ``ACT`` constexpr of kernels/activations.py, as a plain int (a launch meta-parameter)."""
+        return int(self)
+
+    @property
+    def takes_slope(self) -> bool:
+        """True for the one activation with a ``negative_slope`` parameter (leaky_relu)."""
+        return self is Activation.LEAKY_RELU
+
+    def grad_source(self, negative_slope: float) -> GradSource:
+        """What backward computes ``act'`` from, for this slope (used by leaky_relu only).
+
+        relu, sigmoid and tanh are one-to-one where their derivative varies,
+        so it follows from the output; so does leaky_relu's with a
+        non-negative slope (y > 0 exactly when z > 0). gelu, gelu_tanh, silu,
+        and leaky_relu with a negative slope (two z give one y) need z.
+        """
+        source = _TORCH[self].grad_source
+        if source is GradSource.OUTPUT and self.takes_slope and negative_slope < 0:
+            return GradSource.INPUT
+        return source
+
+    def grad_from_output(self, negative_slope: float) -> bool:
+        """True when backward needs the output y (not z): :meth:`grad_source` is OUTPUT."""
+        return self.grad_source(negative_slope) is GradSource.OUTPUT
+
+    def forward(self, z: torch.Tensor, negative_slope: float) -> torch.Tensor:
+        """``act(z)`` with torch's own out-of-place functions (``z`` itself for identity)."""
+        return _TORCH[self].forward(z, negative_slope)
+
+    def forward_(self, z: torch.Tensor, negative_slope: float) -> torch.Tensor:
+        """``act(z)``, in place on ``z`` where torch has an in-place form (gelu has none: a new tensor)."""
+        return _TORCH[self].forward_(z, negative_slope)
+
+    def backward(self, dy: torch.Tensor, saved: torch.Tensor | None, negative_slope: float) -> torch.Tensor:
+        """``dy * act'(.)`` with torch's fused backward kernels (differentiable under grad mode).
+
+        ``saved`` is what :meth:`grad_source` names: the output y, the
+        pre-activation z, or None (identity, which returns ``dy`` itself).
+        """
+        return _TORCH[self].backward(dy, saved, negative_slope)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchPath:
+    """The PyTorch path of one activation (functions of (tensor, negative_slope) and (dy, saved, slope))."""
+
+    forward: Callable[[torch.Tensor, float], torch.Tensor]
+    forward_: Callable[[torch.Tensor, float], torch.Tensor]
+    backward: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
+    grad_source: GradSource  # for leaky_relu: with a non-negative slope
+
+
+_aten = torch.ops.aten
+
+
+def _silu_backward(dy: torch.Tensor, z: torch.Tensor, _: float) -> torch.Tensor:
+    if torch.is_grad_enabled():  # double backward: aten.silu_backward has no derivative (torch's own choice)
+        s = torch.sigmoid(z)
+        return dy * s * (1 + z * (1 - s))
+    return _aten.silu_backward(dy, z)
+
+
+_TORCH: dict[Activation, _TorchPath] = {
+    Activation.RELU: _TorchPath(
+        forward=lambda z, _: F.relu(z),
+        forward_=lambda z, _: torch.relu_(z),
+        backward=lambda dy, y, _: _aten.threshold_backward(dy, y, 0.0),
+        grad_source=GradSource.OUTPUT,
+    ),
+    Activation.LEAKY_RELU: _TorchPath(
+        forward=lambda z, slope: F.leaky_relu(z, slope),
+        forward_=lambda z, slope: F.leaky_relu_(z, slope),
+        # self_is_result: the saved tensor is y when the slope allows (see Activation.grad_source).
+        backward=lambda dy, saved, slope: _aten.leaky_relu_backward(dy, saved, slope, slope >= 0),
+        grad_source=GradSource.OUTPUT,
+    ),
+    Activation.GELU: _TorchPath(
+        forward=lambda z, _: F.gelu(z),
+        forward_=lambda z, _: F.gelu(z),
+        backward=lambda dy, z, _: _aten.gelu_backward(dy, z, approximate="none"),
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.GELU_TANH: _TorchPath(
+        forward=lambda z, _: F.gelu(z, approximate="tanh"),
+        forward_=lambda z, _: F.gelu(z, approximate="tanh"),
+        backward=lambda dy, z, _: _aten.gelu_backward(dy, z, approximate="tanh"),
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.SILU: _TorchPath(
+        forward=lambda z, _: F.silu(z),
+        forward_=lambda z, _: F.silu(z, inplace=True),
+        backward=_silu_backward,
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.SIGMOID: _TorchPath(
+        forward=lambda z, _: torch.sigmoid(z),
+        forward_=lambda z, _: z.sigmoid_(),
+        backward=lambda dy, y, _: _aten.sigmoid_backward(dy, y),
+        grad_source=GradSource.OUTPUT,
+    ),
+    Activation.TANH: _TorchPath(
+        forward=lambda z, _: torch.tanh(z),
+        forward_=lambda z, _: z.tanh_(),
+        backward=lambda dy, y, _: _aten.tanh_backward(dy, y),
+        grad_source=GradSource.OUTPUT,
+    ),
+    Activation.IDENTITY: _TorchPath(
+        forward=lambda z, _: z,
+        forward_=lambda z, _: z,
+        backward=lambda dy, _saved, _slope: dy,
+        grad_source=GradSource.NONE,
+    ),
 }
+
+#: Public name -> member, in declaration order (the order error messages list them).
+_BY_LABEL: dict[str, Activation] = {member.label: member for member in Activation}
 
 
 #: Math modes of kernels/activations.py as plain ints.
 MATH_PORTABLE, MATH_GPU, MATH_GPU_TANH_APPROX = (
-    mode.value for mode in (kernels.activations.PORTABLE, kernels.activations.GPU, kernels.activations.GPU_TANH_APPROX)
+    mode.value for mode in (_codes.PORTABLE, _codes.GPU, _codes.GPU_TANH_APPROX)
 )
 #: Output dtypes whose rounding hides tanh.approx.f32's error (about 2**-11 relative):
 #: a quarter of a bfloat16 ulp. (A float16 ulp is 2**-10: the error would show.)
@@ -52,8 +219,10 @@ def math_mode(out_dtype: torch.dtype, interpreted: bool) -> int:
 DEFAULT_NEGATIVE_SLOPE = 0.01
 
 
-def check_activation(op: str, act: object, negative_slope: object = None, *, strict: bool = False) -> tuple[str, float]:
-    """Validates ``act`` and ``negative_slope``; returns them normalised (the slope as a float).
+def check_activation(
+    op: str, act: object, negative_slope: object = None, *, strict: bool = False
+) -> tuple[Activation, float]:
+    """Validates ``act`` and ``negative_slope``; returns the table entry and the slope as a float.
 
     ``negative_slope`` applies to leaky_relu only: None means the default
     (0.01). With any other activation a slope has no effect, which is an
@@ -68,76 +237,19 @@ def check_activation(op: str, act: object, negative_slope: object = None, *, str
     """
     if not isinstance(act, str):
         raise TypeError(f"tfuse.{op}: act must be a string naming the activation, got {type(act).__name__}")
-    if act not in ACTIVATIONS:
-        raise ValueError(
-            f"tfuse.{op}: unknown activation {act!r}; supported: {', '.join(ACTIVATIONS)}"
-        )
+    activation = _BY_LABEL.get(act)
+    if activation is None:
+        raise ValueError(f"tfuse.{op}: unknown activation {act!r}; supported: {', '.join(_BY_LABEL)}")
     if negative_slope is None:
-        return act, DEFAULT_NEGATIVE_SLOPE
+        return activation, DEFAULT_NEGATIVE_SLOPE
     if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real):
         raise TypeError(f"tfuse.{op}: negative_slope must be a number, got {type(negative_slope).__name__}")
     slope = float(negative_slope)
     if slope != slope or slope in (float("inf"), float("-inf")):
         raise ValueError(f"tfuse.{op}: negative_slope must be finite, got {slope}")
-    if act != "leaky_relu" and (strict or slope != DEFAULT_NEGATIVE_SLOPE):
+    if not activation.takes_slope and (strict or slope != DEFAULT_NEGATIVE_SLOPE):
         raise ValueError(
             f"tfuse.{op}: negative_slope={slope} has no effect with act={act!r}; "
             "it is the slope of act='leaky_relu' only"
         )
-    return act, slope
-
-
-def grad_from_output(act: str, negative_slope: float) -> bool:
-    """True when act'(z) follows from y = act(z), so backward needs only the output.
-
-    relu, sigmoid, tanh and leaky_relu with a non-negative slope qualify
-    (y > 0 exactly when z > 0); gelu, gelu_tanh, silu and leaky_relu with a
-    negative slope need z, which is recomputed from the saved inputs.
-    """
-    return act in ("relu", "sigmoid", "tanh") or (act == "leaky_relu" and negative_slope >= 0)
-
-
-def torch_act_(z: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """act(z), in place on ``z`` where torch has an in-place form (gelu has none)."""
-    if act == "identity":
-        return z
-    if act == "relu":
-        return torch.relu_(z)
-    if act == "leaky_relu":
-        return F.leaky_relu_(z, negative_slope)
-    if act == "gelu":
-        return F.gelu(z)
-    if act == "gelu_tanh":
-        return F.gelu(z, approximate="tanh")
-    if act == "silu":
-        return F.silu(z, inplace=True)
-    if act == "sigmoid":
-        return z.sigmoid_()
-    return z.tanh_()
-
-
-def torch_act_backward(dy: torch.Tensor, saved: torch.Tensor, act: str, negative_slope: float) -> torch.Tensor:
-    """dy * act'(.) with torch's fused backward kernels (differentiable under grad mode, for double backward).
-
-    ``saved`` is the output y for the activations of :func:`grad_from_output`
-    and the pre-activation z for the others (never called for identity).
-    """
-    aten = torch.ops.aten
-    if act == "relu":
-        return aten.threshold_backward(dy, saved, 0.0)
-    if act == "leaky_relu":
-        return aten.leaky_relu_backward(dy, saved, negative_slope, grad_from_output(act, negative_slope))
-    if act == "sigmoid":
-        return aten.sigmoid_backward(dy, saved)
-    if act == "tanh":
-        return aten.tanh_backward(dy, saved)
-    if act == "gelu":
-        return aten.gelu_backward(dy, saved, approximate="none")
-    if act == "gelu_tanh":
-        return aten.gelu_backward(dy, saved, approximate="tanh")
-    if act == "silu":
-        if torch.is_grad_enabled():  # double backward: aten.silu_backward has no derivative (torch's own choice)
-            s = torch.sigmoid(saved)
-            return dy * s * (1 + saved * (1 - s))
-        return aten.silu_backward(dy, saved)
-    raise ValueError(f"no backward needed for {act}")
+    return activation, slope

@@ -28,17 +28,20 @@ import torch
 
 from tfuse import kernels
 
+# INT32_LIMIT is read from this module at each plan (and is part of the plan
+# cache's key), so a test can lower it here to take the int64 path on small data.
+from tfuse._kit import INT32_LIMIT, NUM_WARPS, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2
+
 # Addressing modes of kernels/add.py as plain ints.
 LINEAR, SCALAR, ROW, COL, STRIDED = (
     mode.value for mode in (kernels.LINEAR, kernels.SCALAR, kernels.ROW, kernels.COL, kernels.STRIDED)
 )
 
-#: Elements per program. 2048 elements at 4 warps keeps 16 elements per thread
-#: in flight per input (four 128-bit loads in float32).
+#: Elements per program. 2048 elements at NUM_WARPS (4) warps keeps 16 elements
+#: per thread in flight per input (four 128-bit loads in float32).
 TILE_ELEMENTS = 2048
-NUM_WARPS = 4
-#: Offsets are computed in int32 below this bound and in int64 from it on.
-INT32_LIMIT = 2**31 - 1
+#: Elements per thread of a full tile (16); wider tiles get more warps, not more per thread.
+ELEMENTS_PER_THREAD = TILE_ELEMENTS // (32 * NUM_WARPS)
 #: Column counts that are a multiple of this (in elements) keep every row 16-byte
 #: aligned for any dtype, as Triton sees it (it specialises integer arguments
 #: divisible by 16).
@@ -109,15 +112,15 @@ class TilePlan:
         return (row_tiles * col_tiles,)
 
 
-def tile_meta(plan: TilePlan, out: torch.Tensor, emulate_bf16_rtne: bool) -> dict[str, object]:
+def tile_meta(plan: TilePlan, out: torch.Tensor) -> dict[str, object]:
     """Meta-parameters every one-pass tiled kernel takes (kernels/tiles.py)."""
     return dict(
         MODES=plan.modes,
         OUTER_RANK=len(plan.outer_sizes),
         COL_RANK=plan.col_rank,
         INDEX_64=plan.index_64,
-        ACC_FP64=out.dtype == torch.float64,
-        EMULATE_BF16_RTNE=out.dtype == torch.bfloat16 and emulate_bf16_rtne,
+        ACC_FP64=acc_fp64(out.dtype),
+        EMULATE_BF16_RTNE=emulate_bf16_rtne(),
         ONE_ROW=plan.n_rows == 1,
         BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols,
@@ -133,10 +136,6 @@ def expanded_strides(sizes: Sequence[int], strides: Sequence[int], shape: Sequen
         if size != 1:
             expanded[offset + dim] = stride
     return tuple(expanded)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def plan_tiles(out: torch.Tensor, inputs: Sequence[torch.Tensor], max_col_rank: int | None = 1) -> TilePlan:
@@ -236,8 +235,8 @@ def _plan(
     n_rows = 1
     for size in outer_sizes:
         n_rows *= size
-    block_cols = min(_next_power_of_2(n_cols), TILE_ELEMENTS)
-    block_rows = min(TILE_ELEMENTS // block_cols, _next_power_of_2(n_rows))
+    block_cols = min(next_power_of_2(n_cols), TILE_ELEMENTS)
+    block_rows = min(TILE_ELEMENTS // block_cols, next_power_of_2(n_rows))
 
     # Largest offset any lane computes, masked lanes of the last tile included.
     padded_out = (n_rows + block_rows) * n_cols + block_cols
@@ -250,7 +249,7 @@ def _plan(
         ),
         default=0,
     )
-    index_64 = max(padded_out, largest_input) >= int32_limit
+    index_64 = needs_int64(max(padded_out, largest_input), int32_limit)
 
     return TilePlan(
         n_rows=n_rows,

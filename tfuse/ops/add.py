@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
+from tfuse._backend import Backend, log_backend_once, select_backend
+from tfuse._kit import acc_dtype
 from tfuse._launch import launch
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
 from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
@@ -83,18 +84,18 @@ def _add_triton(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         kernels._add_fwd_kernel,
         plan.grid,
         (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.col_divs, plan.n_rows, plan.n_cols),
-        dict(N_INPUTS=len(tensors), **tile_meta(plan, out, interpreter_active())),
+        dict(N_INPUTS=len(tensors), **tile_meta(plan, out)),
         out.device,
     )
 
 
 def _add_torch(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """The PyTorch path: whole-tensor adds, accumulated in float32/float64, rounded once."""
-    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    acc = out if out.dtype == acc_dtype else torch.empty_like(out, dtype=acc_dtype)
+    acc_type = acc_dtype(out.dtype)
+    acc = out if out.dtype == acc_type else torch.empty_like(out, dtype=acc_type)
     first, second, *rest = tensors
     spans_output = first.shape == acc.shape or second.shape == acc.shape  # then their broadcast is the output's shape
-    if first.dtype == acc_dtype and second.dtype == acc_dtype and spans_output:
+    if first.dtype == acc_type and second.dtype == acc_type and spans_output:
         torch.add(first, second, out=acc)
     else:
         # torch.add(out=...) would round to the inputs' common dtype first, and

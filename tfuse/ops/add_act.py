@@ -22,21 +22,15 @@ import torch
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
+from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
 from tfuse._launch import gpu_sm_count, launch, target_programs
-from tfuse.ops._activations import (
-    ACTIVATIONS,
-    check_activation,
-    grad_from_output,
-    math_mode,
-    torch_act_,
-    torch_act_backward,
-)
+from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
 from tfuse.ops._tiles import (
     COL,
     COL_ALIGN,
+    ELEMENTS_PER_THREAD,
     LINEAR,
-    NUM_WARPS,
     ROW,
     SCALAR,
     STRIDED,
@@ -48,7 +42,6 @@ from tfuse.ops._tiles import (
     reduced_grad_strides,
     tile_meta,
 )
-from tfuse.ops._tiles import _next_power_of_2
 from tfuse.ops.add import add_forward
 
 _log = logging.getLogger(__name__)
@@ -152,7 +145,9 @@ def add_act(
     return add_act_forward(tensors, dtype, spec)
 
 
-def linear_epilogue(product: torch.Tensor, bias: torch.Tensor | None, act: str, negative_slope: float, inplace: bool) -> torch.Tensor:
+def linear_epilogue(
+    product: torch.Tensor, bias: torch.Tensor | None, act: Activation, negative_slope: float, inplace: bool
+) -> torch.Tensor:
     """``act(product + bias)`` for layers whose arguments are valid by construction.
 
     FusedLinear calls this with its own matmul output and bias parameter
@@ -169,12 +164,12 @@ def linear_epilogue(product: torch.Tensor, bias: torch.Tensor | None, act: str, 
     return add_act_forward(tensors, product.dtype, spec)
 
 
-def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+def _check_inplace(act: Activation, negative_slope: float, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
     x = tensors[0]
-    if act != "identity" and not grad_from_output(act, negative_slope):
+    if act.grad_source(negative_slope) is GradSource.INPUT:
         raise ValueError(
             f"tfuse.add_act: inplace=True needs an activation whose gradient follows from its output "
-            f"(relu, sigmoid, tanh, leaky_relu with negative_slope >= 0, identity); {act} "
+            f"(relu, sigmoid, tanh, leaky_relu with negative_slope >= 0, identity); {act.label} "
             f"(negative_slope={negative_slope}) needs its input, which inplace would overwrite"
         )
     if x.dtype != dtype:
@@ -191,24 +186,20 @@ def _check_inplace(act: str, negative_slope: float, tensors: Sequence[torch.Tens
 
 @dataclasses.dataclass(frozen=True)
 class _ActSpec:
-    act: str
+    act: Activation
     negative_slope: float
     backend: Backend
     inplace: bool = False
-
-    @property
-    def code(self) -> int:
-        return ACTIVATIONS[self.act]
 
 
 def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
     """``act(sum(tensors))``, shaped and laid out like ``tensors[0]`` (written into it with inplace)."""
     if spec.backend is Backend.TORCH:
         x = tensors[0]
-        if spec.inplace and x.dtype == _acc_dtype(dtype):
+        if spec.inplace and x.dtype == acc_dtype(dtype):
             for other in tensors[1:]:
                 x.add_(other)  # already the accumulation dtype: sum and act straight in x
-            result = torch_act_(x, spec.act, spec.negative_slope)
+            result = spec.act.forward_(x, spec.negative_slope)
             return result if result is x else x.copy_(result)
         result = _add_act_torch(tensors, dtype, spec)
         return x.copy_(result) if spec.inplace else result
@@ -216,14 +207,13 @@ def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _
     if out.numel() == 0:
         return out
     plan = plan_tiles(out, tensors, max_col_rank=None)
-    interpreted = interpreter_active()
     launch(
         kernels._add_act_fwd_kernel,
         plan.grid,
         (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.col_divs, plan.n_rows, plan.n_cols,
          spec.negative_slope),
-        dict(N_INPUTS=len(tensors), ACT=spec.code, MATH=math_mode(out.dtype, interpreted),
-             **tile_meta(plan, out, interpreted)),
+        dict(N_INPUTS=len(tensors), ACT=spec.act.code, MATH=math_mode(out.dtype, interpreter_active()),
+             **tile_meta(plan, out)),
         out.device,
     )
     return out
@@ -231,23 +221,19 @@ def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _
 
 def _add_act_torch(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _ActSpec) -> torch.Tensor:
     """The PyTorch path: z summed in float32 (float64) into a fresh tensor, act in place, one rounding."""
-    z = _sum_torch(tensors, _acc_dtype(dtype), fresh=True)
-    y = torch_act_(z, spec.act, spec.negative_slope)
+    z = _sum_torch(tensors, acc_dtype(dtype), fresh=True)
+    y = spec.act.forward_(z, spec.negative_slope)
     return y if y.dtype == dtype else y.to(dtype)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _sum_torch(tensors: Sequence[torch.Tensor], acc_dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
-    """z = sum(tensors) in ``acc_dtype``, laid out like the first tensor (PyTorch path).
+def _sum_torch(tensors: Sequence[torch.Tensor], acc: torch.dtype, fresh: bool = False) -> torch.Tensor:
+    """z = sum(tensors) in the accumulator dtype ``acc``, laid out like the first tensor (PyTorch path).
 
     With ``fresh`` the result never aliases an input, so it may be modified in place.
     """
     if len(tensors) == 1:
-        return tensors[0].to(acc_dtype, copy=fresh)
-    return add_forward(tensors, tensors[0].shape, acc_dtype, Backend.TORCH)
+        return tensors[0].to(acc, copy=fresh)
+    return add_forward(tensors, tensors[0].shape, acc, Backend.TORCH)
 
 
 class _AddActFunction(torch.autograd.Function):
@@ -259,10 +245,10 @@ class _AddActFunction(torch.autograd.Function):
         ctx.spec = spec
         ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
         ctx.out_layout = (out.shape, out.stride())
-        ctx.from_output = grad_from_output(spec.act, spec.negative_slope)
-        if spec.act == "identity":
+        ctx.grad_source = spec.act.grad_source(spec.negative_slope)
+        if ctx.grad_source is GradSource.NONE:
             ctx.save_for_backward()
-        elif ctx.from_output:
+        elif ctx.grad_source is GradSource.OUTPUT:
             ctx.save_for_backward(out)
         else:
             ctx.save_for_backward(*tensors)
@@ -288,20 +274,19 @@ def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], 
     Function), so the gradients can be differentiated again.
     """
     spec = ctx.spec
-    acc_dtype = torch.float64 if torch.float64 in (grad_out.dtype, *(d for _, d in ctx.input_meta)) else torch.float32
-    dy = grad_out.to(acc_dtype)
-    if spec.act == "identity":
-        dz = dy
-    elif ctx.from_output:
-        dz = torch_act_backward(dy, saved[0].to(acc_dtype), spec.act, spec.negative_slope)
+    acc = acc_dtype(grad_out.dtype, *(d for _, d in ctx.input_meta))
+    dy = grad_out.to(acc)
+    if ctx.grad_source is GradSource.NONE:
+        source = None
+    elif ctx.grad_source is GradSource.OUTPUT:
+        source = saved[0].to(acc)
+    elif torch.is_grad_enabled():
+        source = saved[0].to(acc)
+        for tensor in saved[1:]:
+            source = source + tensor.to(acc)
     else:
-        if torch.is_grad_enabled():
-            z = saved[0].to(acc_dtype)
-            for tensor in saved[1:]:
-                z = z + tensor.to(acc_dtype)
-        else:
-            z = _sum_torch(saved, acc_dtype)
-        dz = torch_act_backward(dy, z, spec.act, spec.negative_slope)
+        source = _sum_torch(saved, acc)
+    dz = spec.act.backward(dy, source, spec.negative_slope)
     grads = []
     for (shape, dtype), need in zip(ctx.input_meta, needed):
         if not need:
@@ -319,7 +304,7 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
     if math.prod(out_shape) == 0:
         return [torch.zeros(shape, dtype=dtype, device=device) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)]
 
-    sources = () if spec.act == "identity" else tuple(saved)
+    sources = () if ctx.grad_source is GradSource.NONE else tuple(saved)
     bwd = _backward_plan(
         tuple(out_shape),
         tuple(out_strides),
@@ -327,8 +312,8 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
         tuple(bool(n) for n in needed),
         (tuple(grad_out.shape), grad_out.stride(), grad_out.dtype),
         tuple((tuple(t.shape), t.stride()) for t in sources),
-        spec.code,
-        ctx.from_output,
+        spec.act.code,
+        ctx.grad_source is GradSource.OUTPUT,
         gpu_sm_count(device),
         target_programs(device),
         interpreter_active(),
@@ -430,16 +415,15 @@ def _backward_plan(
 
     n_col_blocks = -(-plan.n_cols // block_width)
     row_chunks = -(-plan.n_rows // block_rows)
-    num_warps = max(NUM_WARPS, block_rows * block_cols // (32 * 16))
+    warps = num_warps(block_rows * block_cols, ELEMENTS_PER_THREAD)
     if sms is not None:
         # All programs resident at once (one wave, no tail): see _GPU_BWD_PROGRAMS_PER_SM.
-        programs = sms * _GPU_BWD_PROGRAMS_PER_SM[num_warps]
+        programs = sms * _GPU_BWD_PROGRAMS_PER_SM[warps]
     groups = min(row_chunks, max(1, programs // n_col_blocks))
     rows_per_group = -(-row_chunks // groups) * block_rows
     groups = -(-plan.n_rows // rows_per_group)
 
-    float64 = torch.float64 in (dy_layout[2], *(dtype for _, _, dtype, _ in slots))
-    acc_dtype = torch.float64 if float64 else torch.float32
+    acc = acc_dtype(dy_layout[2], *(dtype for _, _, dtype, _ in slots))
     n_partials, red_strides, numels, n_bcasts = [], [], [], []
     largest_partial = 0
     for (shape, _, _, _), mode, strides in zip(slots, grad_modes, grad_strides):
@@ -472,15 +456,15 @@ def _backward_plan(
         OUTER_RANK=len(plan.outer_sizes),
         COL_RANK=plan.col_rank,
         ACT=act_code,
-        MATH=math_mode(acc_dtype, interpreted),
-        INDEX_64=plan.index_64 or largest_partial >= 2**31 - 1,
-        ACC_FP64=float64,
-        EMULATE_BF16_RTNE=interpreted,
+        MATH=math_mode(acc, interpreted),
+        INDEX_64=plan.index_64 or needs_int64(largest_partial),
+        ACC_FP64=acc_fp64(acc),
+        EMULATE_BF16_RTNE=emulate_bf16_rtne(),
         ONE_ROW=plan.n_rows == 1,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
-        PIXELS_POW2=_next_power_of_2(plan.col_sizes[-1]) if CHAN in grad_modes else 1,
-        num_warps=num_warps,
+        PIXELS_POW2=next_power_of_2(plan.col_sizes[-1]) if CHAN in grad_modes else 1,
+        num_warps=warps,
     )
     reduced = tuple(i for i, count in enumerate(n_partials) if count is not None)
     largest = max((numels[i] for i in reduced), default=1)
@@ -491,7 +475,7 @@ def _backward_plan(
         slots=tuple((shape, strides, dtype, tuple(indices)) for shape, strides, dtype, indices in slots),
         n_partials=tuple(n_partials),
         reduced=reduced,
-        acc_dtype=acc_dtype,
+        acc_dtype=acc,
         dy_strides=plan.in_strides[0],
         src_strides=plan.in_strides[1 : 1 + n_src],
         static_args=(
@@ -511,8 +495,8 @@ def _backward_plan(
         sum_grid=(-(-largest // sum_elements),),
         sum_meta=dict(
             N=len(reduced),
-            INDEX_64=largest_partial >= 2**31 - 1,
-            EMULATE_BF16_RTNE=interpreted,
+            INDEX_64=needs_int64(largest_partial),
+            EMULATE_BF16_RTNE=emulate_bf16_rtne(),
             BLOCK_PARTIALS=_SUM_BLOCK_PARTIALS,
             BLOCK_ELEMENTS=sum_elements,
             num_warps=NUM_WARPS,

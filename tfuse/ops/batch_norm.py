@@ -34,14 +34,13 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
-from tfuse import _launch
+from tfuse import _launch, kernels
+from tfuse._backend import Backend, log_backend_once, select_backend
+from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
 from tfuse._launch import launch, launch_cached, resident_programs, target_programs
-from tfuse.ops._activations import ACTIVATIONS, check_activation, grad_from_output, torch_act_, torch_act_backward
+from tfuse.ops._activations import Activation, GradSource, check_activation
 from tfuse.ops._checks import check_float_dtype
 
-NUM_WARPS = 4
 #: Tile elements per thread the big passes aim for: the warps of a program are its tile over this.
 ELEMENTS_PER_THREAD = 8
 #: Elements per step (one [BN, BL] tile) of a program of the reducing passes.
@@ -56,7 +55,6 @@ MAX_STEPS = 8
 ELEMENTWISE_PROGRAMS_PER_SM = 32
 #: Cached plans (one per shape, strides, dtypes and flags) kept before the cache starts over.
 MAX_PLANS = 1024
-_INT32_LIMIT = 2**31 - 1
 
 _log = logging.getLogger(__name__)
 
@@ -160,7 +158,7 @@ def _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, 
         stats[1].copy_(running_var)
     if residual is not None:
         y = y + residual
-    return torch_act_(y, act, negative_slope)  # y is a fresh tensor: in place is safe
+    return act.forward_(y, negative_slope)  # y is a fresh tensor: in place is safe
 
 
 def _batch_norm_act_triton(x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope,
@@ -301,7 +299,7 @@ def _spec(act, negative_slope, eps, momentum, use_batch_stats, update_running, c
 
 @dataclasses.dataclass(frozen=True, eq=False)  # interned by _spec: compared and hashed by identity
 class _BatchNormSpec:
-    act: str
+    act: Activation
     negative_slope: float
     eps: float
     momentum: float
@@ -311,7 +309,8 @@ class _BatchNormSpec:
 
     @property
     def from_output(self) -> bool:
-        return self.act == "identity" or grad_from_output(self.act, self.negative_slope)
+        """Backward needs no pre-activation: act' follows from the output y, or needs nothing (identity)."""
+        return self.act.grad_source(self.negative_slope) is not GradSource.INPUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,15 +343,15 @@ class _Geometry:
     index_64: bool
 
     def reduce_meta(self) -> dict:
-        s_pad = _next_power_of_2(self.ss) if self.seg == _SEG_PACKED else 1
+        s_pad = next_power_of_2(self.ss) if self.seg == _SEG_PACKED else 1
         parts = max(1, 2 * self.cb_pad * s_pad // self.red_bl)  # gathered tiles of at most BL / 2 elements
         return dict(SEG=self.seg, BN=self.red_bn, BL=self.red_bl, VEC=self.red_vec, PARTS=parts,
                     CB_PART=max(1, self.cb_pad // parts), S_PAD=s_pad, INDEX_64=self.index_64,
-                    num_warps=_warps(self.red_bn * self.red_bl))
+                    num_warps=num_warps(self.red_bn * self.red_bl, ELEMENTS_PER_THREAD))
 
     def elementwise_meta(self) -> dict:
         return dict(BN=self.ew_bn, BL=self.ew_bl, VEC=self.ew_vec, INDEX_64=self.index_64,
-                    num_warps=_warps(self.ew_bn * self.ew_bl))
+                    num_warps=num_warps(self.ew_bn * self.ew_bl, ELEMENTS_PER_THREAD))
 
     def chunks(self, resident: int) -> tuple[int, int]:
         """(chunks, rows per chunk) of a reduction with ``resident`` programs on the device at once."""
@@ -360,14 +359,6 @@ class _Geometry:
         chunks = min(row_steps, max(1, resident // self.groups))
         rows_per_chunk = -(-row_steps // chunks) * self.red_bn
         return -(-self.n_rows // rows_per_chunk), rows_per_chunk
-
-
-def _warps(tile_elements: int) -> int:
-    return max(NUM_WARPS, min(8, tile_elements // (32 * ELEMENTS_PER_THREAD)))
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _power_of_2_factor(n: int, cap: int) -> int:
@@ -379,7 +370,7 @@ def _block(n: int, cap: int) -> int:
     """A power-of-two block for ``n`` columns: the widest (up to ``cap``) wasting at most 1/8 in padding,
     else the one (of at least 16) wasting least."""
     best, best_waste = 1, 1.0
-    block = min(cap, _next_power_of_2(n))
+    block = min(cap, next_power_of_2(n))
     smallest = min(block, 16)  # narrower blocks cost more in per-program work than padding does
     while block >= smallest:
         padded = -(-n // block) * block
@@ -424,7 +415,7 @@ def _ncs_reduction(
     cb = width // spatial
     if width == spatial:
         return width, block, vec, _SEG_ONE, 1
-    return width, block, vec, _SEG_PACKED, _next_power_of_2(cb)
+    return width, block, vec, _SEG_PACKED, next_power_of_2(cb)
 
 
 def _elementwise_target(device: torch.device) -> int:
@@ -464,20 +455,15 @@ def _geometry(shape: tuple[int, ...], layout: int, itemsize: int, elementwise_ta
         groups=-(-n_cols // group_width), red_bn=red_bn, red_bl=red_bl, red_vec=red_vec, seg=seg,
         cb_pad=cb_pad, ew_bn=ew_bn, ew_bl=ew_bl, ew_vec=min(row_vec, ew_bl),
         ew_grid=(col_tiles, -(-n_rows // ew_rows_per_chunk)), ew_rows_per_chunk=ew_rows_per_chunk,
-        index_64=largest >= _INT32_LIMIT,
+        index_64=needs_int64(largest),
     )
 
 
 def _final_blocks(channels: int, chunks: int) -> tuple[int, int]:
     """(BLOCK_K, BLOCK_C) of a final merge: enough channel blocks to spread over SMs, big tiles down the chunks."""
-    block_c = min(_next_power_of_2(channels), max(8, _next_power_of_2(channels // 64 + 1) // 2))
-    block_k = max(1, min(_next_power_of_2(chunks), 1024 // block_c))
+    block_c = min(next_power_of_2(channels), max(8, next_power_of_2(channels // 64 + 1) // 2))
+    block_k = max(1, min(next_power_of_2(chunks), 1024 // block_c))
     return block_k, block_c
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Statistics and reductions: float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclasses.dataclass
@@ -542,19 +528,18 @@ def _out_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
 def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, running_var) -> _ForwardPlan:
     geometry = _geometry_of(x)
     out_dtype = _out_dtype(x, residual)
-    acc = _acc_dtype(out_dtype)
-    emulate = out_dtype == torch.bfloat16 and interpreter_active()
+    acc = acc_dtype(out_dtype)
     affine = weight is not None
     normalise = _Launch(
         kernels._bn_act_fwd_kernel, geometry.ew_grid,
         (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
         dict(HAS_RESIDUAL=residual is not None, FROM_RUNNING=not spec.use_batch_stats, AFFINE=affine,
-             ACT=ACTIVATIONS[spec.act], EMULATE_BF16_RTNE=emulate, ACC_FP64=acc == torch.float64,
+             ACT=spec.act.code, EMULATE_BF16_RTNE=emulate_bf16_rtne(), ACC_FP64=acc_fp64(acc),
              **geometry.elementwise_meta()),
     )
     if not spec.use_batch_stats:
         return _ForwardPlan(geometry, acc, 0, None, None, normalise)
-    stats_meta = dict(ACC_FP64=acc == torch.float64, **geometry.reduce_meta())
+    stats_meta = dict(ACC_FP64=acc_fp64(acc), **geometry.reduce_meta())
     placeholder = torch.empty(16, dtype=acc, device=x.device)
     resident = _resident(
         kernels._bn_stats_partial_kernel,
@@ -570,7 +555,7 @@ def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, runni
         kernels._bn_stats_final_kernel, (-(-geometry.channels // block_c),),
         (geometry.channels, chunks, rows_per_chunk, geometry.n_rows, geometry.ss),
         dict(UPDATE_RUNNING=spec.update_running, AFFINE=affine, BLOCK_K=block_k, BLOCK_C=block_c,
-             ACC_FP64=acc == torch.float64, num_warps=NUM_WARPS),
+             ACC_FP64=acc_fp64(acc), num_warps=NUM_WARPS),
     )
     buf_size = (4 + 2 * chunks) * geometry.channels
     return _ForwardPlan(geometry, acc, buf_size, stats, final, normalise)
@@ -621,12 +606,12 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
 
 def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bias, needs, dres_dtype) -> _BackwardPlan:
     need_x, need_weight, need_bias, need_res = needs
-    acc = _acc_dtype(dy.dtype)
+    acc = acc_dtype(dy.dtype)
     eval_mode = not spec.use_batch_stats
     affine = weight is not None
     flags = dict(
-        HAS_RESIDUAL=residual is not None, FROM_OUTPUT=spec.from_output, ACT=ACTIVATIONS[spec.act],
-        EMULATE_BF16_RTNE=interpreter_active(), ACC_FP64=acc == torch.float64,
+        HAS_RESIDUAL=residual is not None, FROM_OUTPUT=spec.from_output, ACT=spec.act.code,
+        EMULATE_BF16_RTNE=emulate_bf16_rtne(), ACC_FP64=acc_fp64(acc),
     )
     reduce_meta = dict(FROM_RUNNING=eval_mode, AFFINE=affine, WRITE_DX=eval_mode and need_x,
                        WRITE_DRES=need_res, **flags, **geometry.reduce_meta())
@@ -656,7 +641,7 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
             kernels._bn_bwd_final_kernel, (-(-geometry.channels // block_c),),
             (geometry.channels, chunks, geometry.n_rows * geometry.ss),
             dict(WRITE_DWEIGHT=need_weight, WRITE_DBIAS=need_bias, WRITE_COEF=needs_pass_2, BLOCK_K=block_k,
-                 BLOCK_C=block_c, ACC_FP64=acc == torch.float64, num_warps=NUM_WARPS),
+                 BLOCK_C=block_c, ACC_FP64=acc_fp64(acc), num_warps=NUM_WARPS),
         )
     dx = None
     if needs_pass_2:
@@ -749,7 +734,7 @@ def _backward_differentiable(spec, dy, x, weight, bias, src, running, residual_d
     so every dependency is in the graph.
     """
     need_x, need_weight, need_bias, need_res = needs
-    acc = _acc_dtype(dy.dtype)
+    acc = acc_dtype(dy.dtype)
     dims = [0, *range(2, x.dim())]
     view = (1, -1) + (1,) * (x.dim() - 2)
     xa = x.to(acc)
@@ -761,16 +746,14 @@ def _backward_differentiable(spec, dy, x, weight, bias, src, running, residual_d
     invstd = torch.rsqrt(var + spec.eps)
     xhat = (xa - mean) * invstd
     g = dy.to(acc)
-    if spec.act != "identity":
-        if spec.from_output:
-            dz = torch_act_backward(g, src.to(acc), spec.act, spec.negative_slope)
-        else:
-            z = xhat if weight is None else xhat * weight.to(acc).view(view) + bias.to(acc).view(view)
-            if src is not None:
-                z = z + src.to(acc)
-            dz = torch_act_backward(g, z, spec.act, spec.negative_slope)
+    source = spec.act.grad_source(spec.negative_slope)
+    if source is GradSource.INPUT:
+        saved = xhat if weight is None else xhat * weight.to(acc).view(view) + bias.to(acc).view(view)
+        if src is not None:
+            saved = saved + src.to(acc)
     else:
-        dz = g
+        saved = src.to(acc) if source is GradSource.OUTPUT else None
+    dz = spec.act.backward(g, saved, spec.negative_slope)
     dres = dz.to(residual_dtype) if need_res else None
     dbias = dz.sum(dims).to(bias.dtype) if need_bias else None
     dweight = (dz * xhat).sum(dims).to(weight.dtype) if need_weight else None

@@ -1,0 +1,208 @@
+"""The activation table (tfuse/ops/_activations.py) against the kernels and against torch.
+
+Kernels cannot import tfuse, so each activation's code is spelled twice: as a
+constexpr in kernels/activations.py and as the value of an ``Activation``
+member. These tests pin the two to each other, and pin each member's PyTorch
+path (forward, backward, what backward needs) to torch.nn.functional in
+float64, references written here independently of the table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+
+import tfuse
+from tfuse import kernels
+from tfuse.ops._activations import (
+    DEFAULT_NEGATIVE_SLOPE,
+    MATH_GPU,
+    MATH_GPU_TANH_APPROX,
+    MATH_PORTABLE,
+    Activation,
+    GradSource,
+    check_activation,
+)
+
+#: Public names, in the order the error messages list them.
+NAMES = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity")
+#: Constants of kernels/activations.py that are math modes, not activations.
+MATH_MODES = {"PORTABLE": MATH_PORTABLE, "GPU": MATH_GPU, "GPU_TANH_APPROX": MATH_GPU_TANH_APPROX}
+
+
+def reference(name: str, slope: float):
+    """torch.nn.functional's version of each activation (independent of the table)."""
+    return {
+        "relu": F.relu,
+        "leaky_relu": lambda z: F.leaky_relu(z, slope),
+        "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        "silu": F.silu,
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+        "identity": lambda z: z,
+    }[name]
+
+
+def kernel_constants() -> dict[str, int]:
+    """Public ``tl.constexpr`` ints of kernels/activations.py, activations only."""
+    found = {
+        name: value.value
+        for name, value in vars(kernels.activations).items()
+        if name.isupper() and not name.startswith("_") and isinstance(value, tl.constexpr)
+    }
+    return {name: code for name, code in found.items() if name not in MATH_MODES}
+
+
+# ---------------------------------------------------------------- codes and names
+
+
+def test_every_member_has_its_kernel_code():
+    constants = kernel_constants()
+    for member in Activation:
+        assert constants[member.name] == member.code == member.value
+
+
+def test_every_kernel_activation_has_a_member():
+    assert set(kernel_constants()) == set(Activation.__members__)
+
+
+def test_codes_are_distinct_so_no_member_is_an_alias():
+    # IntEnum turns a repeated value into an alias: it would vanish from iteration.
+    assert len(list(Activation)) == len(Activation.__members__) == len(set(kernel_constants().values()))
+
+
+def test_math_modes_match_the_kernel_constants():
+    for name, mode in MATH_MODES.items():
+        assert getattr(kernels.activations, name).value == mode
+
+
+def test_code_is_a_plain_int_for_launch_meta():
+    # Meta-parameters go into Triton's specialisation keys: plain ints, as before the table.
+    for member in Activation:
+        assert type(member.code) is int
+
+
+def test_names_round_trip():
+    assert tuple(member.label for member in Activation) == NAMES
+    for member in Activation:
+        assert Activation.from_name(member.label) is member
+        assert member.label == member.name.lower()
+        assert check_activation("op", member.label) == (member, DEFAULT_NEGATIVE_SLOPE)
+
+
+@pytest.mark.parametrize("name", ["ReLU", "gelu_erf", "", "swish"])
+def test_unknown_names_are_rejected_with_the_supported_list(name):
+    supported = ", ".join(NAMES)
+    with pytest.raises(ValueError, match=f"unknown activation {name!r}; supported: {supported}$"):
+        Activation.from_name(name)
+    with pytest.raises(ValueError, match=f"^tfuse.op: unknown activation {name!r}; supported: {supported}$"):
+        check_activation("op", name)
+
+
+def test_only_leaky_relu_takes_a_slope():
+    assert [member for member in Activation if member.takes_slope] == [Activation.LEAKY_RELU]
+
+
+# ---------------------------------------------------------------- the PyTorch path against torch
+
+
+def _cases() -> list:
+    return [
+        pytest.param(member, slope, id=f"{member.label}-{slope}")
+        for member in Activation
+        for slope in ((0.2, -0.3, 0.0) if member.takes_slope else (DEFAULT_NEGATIVE_SLOPE,))
+    ]
+
+
+def _inputs() -> torch.Tensor:
+    z = torch.randn(257, dtype=torch.float64) * 3
+    return torch.cat([z, torch.tensor([0.0, -0.0, 1e-8, -1e-8, 8.0, -8.0], dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("member, slope", _cases())
+def test_forward_matches_torch_in_float64(member, slope):
+    z = _inputs()
+    expected = reference(member.label, slope)(z)
+    torch.testing.assert_close(member.forward(z.clone(), slope), expected, rtol=0, atol=0)
+    inplace = z.clone()
+    result = member.forward_(inplace, slope)
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    if result.data_ptr() == inplace.data_ptr():
+        torch.testing.assert_close(inplace, expected, rtol=0, atol=0)  # written where it claims to be
+
+
+@pytest.mark.parametrize("member, slope", _cases())
+def test_backward_from_what_it_claims_matches_autograd_in_float64(member, slope):
+    z = _inputs().requires_grad_()
+    y = reference(member.label, slope)(z)
+    dy = torch.randn_like(z)
+    (expected,) = torch.autograd.grad(y, z, dy)
+    source = member.grad_source(slope)
+    saved = {GradSource.NONE: None, GradSource.OUTPUT: y.detach(), GradSource.INPUT: z.detach()}[source]
+    with torch.no_grad():
+        dz = member.backward(dy, saved, slope)
+    torch.testing.assert_close(dz, expected, rtol=1e-12, atol=1e-15)
+    assert member.grad_from_output(slope) == (source is GradSource.OUTPUT)
+
+
+def test_grad_sources():
+    sources = {member.label: member.grad_source(0.2) for member in Activation}
+    assert sources == {
+        "relu": GradSource.OUTPUT, "leaky_relu": GradSource.OUTPUT, "sigmoid": GradSource.OUTPUT,
+        "tanh": GradSource.OUTPUT, "gelu": GradSource.INPUT, "gelu_tanh": GradSource.INPUT,
+        "silu": GradSource.INPUT, "identity": GradSource.NONE,
+    }
+    assert Activation.LEAKY_RELU.grad_source(0.0) is GradSource.OUTPUT
+    assert Activation.LEAKY_RELU.grad_source(-0.3) is GradSource.INPUT
+
+
+def _derivative(name: str, slope: float, z: float) -> float:
+    t = torch.tensor(z, dtype=torch.float64, requires_grad=True)
+    (d,) = torch.autograd.grad(reference(name, slope)(t), t)
+    return d.item()
+
+
+@pytest.mark.parametrize(
+    "member, slope", [case for case in _cases() if case.values[0].grad_source(case.values[1]) is GradSource.INPUT]
+)
+def test_input_activations_have_outputs_that_do_not_determine_the_derivative(member, slope):
+    # The claim "needs z" is true: two inputs with one output and different derivatives.
+    f = reference(member.label, slope)
+    grid = torch.linspace(-5, 5, 100001, dtype=torch.float64)
+    lowest = grid[torch.argmin(f(grid))].item()  # these activations dip below their value at -5, then rise
+    right = lowest + 0.5
+    target = f(torch.tensor(right, dtype=torch.float64)).item()
+    lo, hi = -5.0, lowest  # f decreases on [lo, hi] from above target to below it: bisect
+    assert f(torch.tensor(lo, dtype=torch.float64)).item() > target
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if f(torch.tensor(mid, dtype=torch.float64)).item() > target:
+            lo = mid
+        else:
+            hi = mid
+    left = (lo + hi) / 2
+    assert f(torch.tensor(left, dtype=torch.float64)).item() == pytest.approx(target, abs=1e-12)
+    assert abs(_derivative(member.label, slope, left) - _derivative(member.label, slope, right)) > 0.1
+
+
+# ---------------------------------------------------------------- the kernels behind the codes
+
+
+@pytest.mark.parametrize("member", list(Activation), ids=lambda m: m.label)
+def test_kernel_code_computes_the_member_in_float64(member, device):
+    # The code the launcher passes selects the formula the table names (the Triton path, float64).
+    # Loose bounds: this pins which formula runs (test_add_act checks accuracy); the kernel takes
+    # the slope as a float32 scalar, and computes gelu_tanh as z * sigmoid(2u).
+    slope = 0.2 if member.takes_slope else None
+    z = (torch.randn(2, 33, dtype=torch.float64, device=device) * 3).requires_grad_()
+    with tfuse.use_backend("triton"), tfuse.count_launches() as launches:
+        y = tfuse.add_act(z, act=member.label, negative_slope=slope)
+        (dz,) = torch.autograd.grad(y, z, torch.ones_like(y))
+    assert launches.total >= 1
+    expected = reference(member.label, 0.2)(z.detach())
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-12)
+    (expected_dz,) = torch.autograd.grad(reference(member.label, 0.2)(z), z, torch.ones_like(y))
+    torch.testing.assert_close(dz, expected_dz, rtol=1e-6, atol=1e-12)
