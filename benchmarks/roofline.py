@@ -83,6 +83,7 @@ import tfuse.ops.add as add_op  # noqa: E402
 import tfuse.ops.add_act as add_act_op  # noqa: E402
 import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
 import tfuse.optim._flat_optimizer as flat_optimizer  # noqa: E402
+import tfuse.optim._update as optim_update  # noqa: E402
 import tfuse.optim.adam as adam_op  # noqa: E402
 import tfuse.optim.clip as clip_op  # noqa: E402
 import tfuse.optim.sgd as sgd_op  # noqa: E402
@@ -185,7 +186,7 @@ class Capture:
             self.current = previous
 
 
-_LAUNCHING_MODULES = (add_op, add_act_op, batch_norm_op, clip_op, adam_op, sgd_op, flat_optimizer)
+_LAUNCHING_MODULES = (add_op, add_act_op, batch_norm_op, clip_op, adam_op, sgd_op, flat_optimizer, optim_update)
 
 
 @contextlib.contextmanager

@@ -87,7 +87,9 @@ def test_bf16_emulation_exactly_under_the_interpreter():
 
 #: Files that must take their launch settings from the kit (the kit itself excluded).
 SCANNED = sorted(
-    path for pattern in ("kernels/*.py", "tfuse/ops/*.py", "tfuse/nn/*.py", "tfuse/functional.py", "tfuse/_launch.py")
+    path
+    for pattern in ("kernels/*.py", "tfuse/ops/*.py", "tfuse/nn/*.py", "tfuse/optim/*.py", "tfuse/functional.py",
+                    "tfuse/_launch.py")
     for path in ROOT.glob(pattern) if path.name != "kit.py"
 )
 
@@ -98,13 +100,14 @@ RESPELLINGS = {
     "next power of two": re.compile(r"def\s+_?next_power_of_2\b|1\s*<<.*\.bit_length\(\)|triton\.next_power_of_2"),
     "int32 index bound": re.compile(r"2\s*\*\*\s*31\s*-\s*1|2147483647|0x7fffffff|\(\s*1\s*<<\s*31\s*\)\s*-\s*1|"
                                     r"^\s*_?INT32_LIMIT\s*=", re.IGNORECASE | re.MULTILINE),
-    "warps constant": re.compile(r"^\s*_?[A-Z_]*NUM_WARPS\s*=|num_warps\s*=\s*\d", re.MULTILINE),
+    "warps constant": re.compile(r"^\s*_?[A-Z_]*NUM_WARPS\s*=\s*\d|num_warps\s*=\s*\d", re.MULTILINE),
 }
 
 
 def test_the_scan_covers_the_launchers_and_kernels():
     names = {path.relative_to(ROOT).as_posix() for path in SCANNED}
-    assert {"kernels/batch_norm.py", "kernels/tiles.py", "tfuse/ops/add_act.py", "tfuse/ops/batch_norm.py"} <= names
+    assert {"kernels/batch_norm.py", "kernels/tiles.py", "tfuse/ops/add_act.py", "tfuse/ops/batch_norm.py",
+            "tfuse/optim/_update.py", "tfuse/optim/clip.py"} <= names
     assert "tfuse/_kit.py" not in names and "kernels/kit.py" not in names
 
 
@@ -125,7 +128,7 @@ def test_launchers_take_flags_from_the_kit(meta, helper):
     # Every ACC_FP64=... / EMULATE_BF16_RTNE=... a launcher passes is the kit's answer.
     uses = [
         (path.relative_to(ROOT), line)
-        for path in SCANNED if path.parts[-2] == "ops"
+        for path in SCANNED if path.parts[-2] in ("ops", "optim")
         for line in path.read_text().splitlines() for _ in re.finditer(rf"\b{meta}=", line)
     ]
     assert uses, f"no launcher passes {meta}: the scan is looking in the wrong place"

@@ -9,6 +9,12 @@ parameter buffer is updated by one Triton kernel launch per step, or, on CPU
 without Triton's interpreter, by torch's fused kernels over whole runs of the
 buffer (the PyTorch path); ``describe()``, ``repr()`` and the first step's
 INFO log say which.
+
+Inside, for every caller that updates flat buffers (these optimizers, a shard
+owner, an outer optimizer): ``_state.FlatState`` keeps the state of a flat
+buffer or of a range of it, ``_update.adam_update`` / ``_update.sgd_update``
+run one step of the update maths over element ranges, and
+``_flat_optimizer.FlatOptimizer`` is the thin torch.optim layer on top.
 """
 
 from tfuse.optim.adam import FusedAdam, FusedAdamW

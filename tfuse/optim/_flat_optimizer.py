@@ -1,21 +1,23 @@
-"""Shared machinery of the fused optimizers: flat units, block tables, state, state_dict.
+"""The fused optimizers' base: a torch.optim.Optimizer whose parameters live in flat buffers.
 
-A fused optimizer owns one :class:`_Unit` per flat parameter buffer its
-parameters live in (one :class:`~tfuse.flat.FlatGroup`). The unit keeps the
-optimizer state of all its parameters in flat buffers with the parameter
-buffer's layout, so ``exp_avg`` of a parameter is the same element range as
-the parameter, and hands out per-parameter views of them as
-``optimizer.state[p][name]`` (torch.optim's format). A step is one kernel
-launch per unit on the Triton backend, or a few calls of torch's fused
-kernels (``torch._fused_adam_`` and friends) over whole contiguous runs of the
-buffer on the PyTorch backend.
+:class:`FlatOptimizer` is a thin layer between torch.optim's bookkeeping and
+the flat update:
 
-torch's fused CPU kernels are not trusted blindly for float16/bfloat16:
-torch 2.13's ``_fused_sgd_`` leaves low-precision parameters unchanged
-(its vectorized loop never stores them). The first low-precision update of a
-kind runs a small probe of torch's kernel against the same kernel on float32
-copies (:func:`native_low_precision_ok`); a kernel that disagrees is routed
-around by computing in float32 and rounding (the Triton kernel's maths).
+* Parameter groups, defaults, ``state_dict()``, step hooks and the
+  implementation checks of ``add_param_group`` are torch.optim's own.
+* Each parameter is bound once, when its group is added, to the
+  :class:`~tfuse.flat.FlatParams` that holds it (the one passed as ``params``,
+  the one its memory belongs to, or a new one the optimizer coalesces it into).
+  The optimizer holds every FlatParams it updates (:attr:`FlatOptimizer.flat_params`).
+* The state of each flat buffer is a :class:`~tfuse.optim._state.FlatState`;
+  ``optimizer.state[p]`` holds views of it in torch.optim's format.
+* A step updates each flat buffer with one call of the family's update
+  (:mod:`tfuse.optim._update`): one Triton launch, or torch's fused kernels
+  over whole runs of the buffer on the PyTorch path.
+
+Subclasses declare their update family, the state they keep and the
+torch.optim class they replace, check their hyperparameters and turn a group
+into a row of hyperparameters (:meth:`FlatOptimizer._hyper`).
 """
 
 from __future__ import annotations
@@ -25,221 +27,140 @@ import copy
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from tfuse._backend import Backend, interpreter_active, requested_backend, select_backend
+from tfuse._backend import Backend, requested_backend, select_backend
 from tfuse.flat import FlatGroup, FlatParams, flat_params_of
+from tfuse.optim._checks import IMPLEMENTATION_FLAGS, check_implementation_flags, check_params
+from tfuse.optim._state import FlatState
+from tfuse.optim._update import LOW_PRECISION, MAX_ALIGN, RunTable, UpdateFamily, upcasts, update
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 4096  # elements per program; blocks never cross a run's end
-NUM_WARPS = 8
-TORCH_PIECE = 1 << 20  # elements per tensor handed to torch's fused CPU kernels
-UPCAST_BATCH = 8 * TORCH_PIECE  # most elements upcast to float32 at once on the PyTorch path (bounds the copies)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_TABLE_CACHE_SIZE = 8
 MASTER_KEY = "master_param"
-# torch.optim's implementation switches; tfuse has one implementation (the fused update).
-IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-
-# (torch kernel name, dtype, device type) -> whether torch's fused kernel computes that dtype right.
-_NATIVE_OK: dict[tuple[str, torch.dtype, str], bool] = {}
+_CACHE_SIZE = 8  # step plans per flat buffer, and run tables per plan
 
 
-@dataclasses.dataclass
-class BlockTable:
-    """Which element ranges a step updates, and with which coefficient row.
+@dataclasses.dataclass(eq=False)
+class _Member:
+    """One parameter the optimizer updates, and what the optimizer remembers of it between steps."""
 
-    ``runs`` are maximal contiguous ranges of parameters that have a gradient
-    and share a row; ``starts``/``ends``/``rows`` cut them into blocks of at
-    most BLOCK elements (device tensors, for the kernel).
+    param: torch.nn.Parameter
+    group: int  # index of its group in optimizer.param_groups
+    index: int = 0  # position in its FlatGroup: its step count in FlatState.steps; neighbours differ by one
+    start: int = 0  # its elements [start, end) of the flat buffer
+    end: int = 0
+    started: bool = False  # had its first step: torch creates state lazily, at a parameter's first gradient
+    has_entry: bool = False  # optimizer.state holds an entry for it
+    version: int = -1  # param._version when the optimizer last wrote it (master weights, see _refresh_masters)
+
+
+class _Plan:
+    """What a step does for one set of members with gradients (cached per set: most steps look like the last)."""
+
+    def __init__(self, members: list[_Member]) -> None:
+        self.members = members
+        self.positions = np.array([m.index for m in members], dtype=np.int64)  # into FlatState.steps
+        self.groups = list(dict.fromkeys(m.group for m in members))  # distinct parameter groups
+        rank = {group: row for row, group in enumerate(self.groups)}
+        self.group_rows = tuple(rank[m.group] for m in members)  # each member's row when all share a step count
+        self.tables: collections.OrderedDict[Any, RunTable] = collections.OrderedDict()
+
+
+class _Buffer:
+    """One flat parameter buffer the optimizer updates.
+
+    Holds the FlatParams it belongs to, the optimizer's parameters in it (in
+    buffer order), their :class:`FlatState` and the cached step plans.
     """
 
-    runs: list[tuple[int, int, int]]  # (start, end, row)
-    starts: torch.Tensor
-    ends: torch.Tensor
-    rows: torch.Tensor
-    end_align: int  # every block end is a multiple of this many elements
+    def __init__(self, flat: FlatParams, group: FlatGroup, master_weights: bool) -> None:
+        self.flat = flat
+        self.device, self.dtype = group.device, group.dtype
+        self.master_weights = master_weights and group.dtype in LOW_PRECISION
+        self.state = FlatState(group, master_weights=self.master_weights)
+        # Parameter offsets are multiples of this many elements (capped: 16 is enough for 128-bit accesses).
+        self.align = min(MAX_ALIGN, max(1, flat.align_bytes // group.data.element_size()))
+        self.layout_version = flat.layout_version
+        self.members: list[_Member] = []
+        self.params: list[torch.nn.Parameter] = []  # the members' parameters (read at every step)
+        self.plans: collections.OrderedDict[tuple[bool, ...], _Plan] = collections.OrderedDict()
 
-    @property
-    def n_blocks(self) -> int:
-        return self.starts.numel()
+    def set_members(self, members: list[_Member]) -> None:
+        self.members = members
+        self._place()
 
-
-class _Unit:
-    """The optimizer's parameters that live in one flat parameter buffer, and their flat state."""
-
-    def __init__(self, owner: FlatParams, device: torch.device, dtype: torch.dtype, master_weights: bool) -> None:
-        self.owner = owner
-        self.device = device
-        self.dtype = dtype
-        self.master_weights = master_weights and dtype in _LOW_PRECISION
-        self.state_dtype = torch.float32 if self.master_weights else dtype
-        self.members: list[torch.nn.Parameter] = []
-        # Parameter offsets are multiples of this many elements (capped at 16: enough for 128-bit accesses).
-        self.align_elements = min(16, max(1, owner.align_bytes // torch.empty((), dtype=dtype).element_size()))
-        self.buffers: dict[str, torch.Tensor] = {}  # flat optimizer state, parameter-buffer layout
-        self.master: torch.Tensor | None = None
-        self.steps = torch.zeros(0, dtype=torch.float32)  # per member, torch's 'step' (CPU float32)
-        self.initialized = np.zeros(0, dtype=bool)  # per member: had its first step (torch's lazy state init)
-        self.has_entry = np.zeros(0, dtype=bool)  # per member: optimizer.state holds an entry for it
-        self.versions = np.zeros(0, dtype=np.int64)  # per member: param._version after our last write
-        self.layout_version = -1
-        self._tables: collections.OrderedDict = collections.OrderedDict()
-
-    # ------------------------------------------------------------------ layout
-
-    @property
-    def flat_group(self) -> FlatGroup:
-        for group in self.owner.groups:
-            if group.device == self.device and group.dtype == self.dtype:
-                return group
-        raise RuntimeError("tfuse: a fused optimizer lost track of its flat buffer")  # cannot happen: groups never vanish
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self._data
-
-    def set_members(self, params: list[torch.nn.Parameter], group_of: dict[int, int], state: dict) -> None:
-        """Takes ``params`` (all in this unit) in buffer order; keeps the state of members that stay."""
-        flat = self.flat_group
-        position = {id(p): i for i, p in enumerate(flat.params)}
-        ordered = sorted(params, key=lambda p: position[id(p)])
-        old_index = {id(p): i for i, p in enumerate(self.members)}
-        old_offsets = dict(getattr(self, "_offset_of", {}))
-        keep = [old_index.get(id(p), -1) for p in ordered]
-
-        self._data = flat.data
-        self._grad = flat.grad
-        self.positions = np.array([position[id(p)] for p in ordered], dtype=np.int64)
-        self.offsets = np.array([flat.offsets[position[id(p)]] for p in ordered], dtype=np.int64)
-        self.numels = np.array([p.numel() for p in ordered], dtype=np.int64)
-        # Each parameter's slot keeps its memory format (channels_last...): state views get its strides, so that
-        # optimizer.state[p][name] pairs element by element with p, and the flat update pairs them in memory.
-        shapes, strides = getattr(flat, "shapes", None), getattr(flat, "strides", None)
-        self.geometry = [
-            (tuple(shapes[position]), tuple(strides[position])) if shapes and strides else (tuple(p.shape), None)
-            for p, position in zip(ordered, self.positions.tolist())
-        ]
-        # Runs may cross the padding between neighbours, never another parameter.
-        self.adjacent_next = np.zeros(len(ordered), dtype=bool)
-        self.adjacent_next[:-1] = self.positions[1:] == self.positions[:-1] + 1
-        self.group_index = np.array([group_of[id(p)] for p in ordered], dtype=np.int64)
-        self._offset_of = {id(p): int(o) for p, o in zip(ordered, self.offsets)}
-
-        steps = torch.zeros(len(ordered), dtype=torch.float32)
-        initialized = np.zeros(len(ordered), dtype=bool)
-        has_entry = np.zeros(len(ordered), dtype=bool)
-        versions = np.zeros(len(ordered), dtype=np.int64)
-        for new, old in enumerate(keep):
-            if old >= 0:
-                steps[new] = self.steps[old]
-                initialized[new] = self.initialized[old]
-                has_entry[new] = self.has_entry[old]
-                versions[new] = self.versions[old]
-        relaid = self.layout_version != self.owner.layout_version
-        old_buffers, old_master = self.buffers, self.master
-        if relaid:
-            self.buffers = {name: torch.zeros_like(flat.data, dtype=self.state_dtype) for name in old_buffers}
-            if self.master_weights:
-                self.master = flat.data.to(torch.float32)
-        self.members, self.steps, self.versions = ordered, steps, versions
-        self.initialized, self.has_entry = initialized, has_entry
-        self.layout_version = self.owner.layout_version
-        self._tables.clear()
-        for index, param in enumerate(ordered):
-            entry = state.get(param)
-            if entry is None:
-                continue
-            if "step" in entry:
-                entry["step"] = steps[index]
-            if relaid and id(param) in old_offsets:
-                old, new, n = old_offsets[id(param)], int(self.offsets[index]), int(self.numels[index])
-                for name, buffer in self.buffers.items():
-                    buffer[new : new + n].copy_(old_buffers[name][old : old + n])
-                if self.master is not None and old_master is not None:
-                    self.master[new : new + n].copy_(old_master[old : old + n])
-            for name in list(entry):
-                if name in self.buffers or name == MASTER_KEY:
-                    entry[name] = self.view(name, index)
-
-    def follow_layout(self, group_of: dict[int, int], state: dict) -> None:
+    def follow_layout(self) -> None:
         """Moves the state to the new offsets after the FlatParams laid its buffers out again."""
-        if self.layout_version != self.owner.layout_version:
-            logger.info("tfuse: flat layout changed; moving optimizer state to the new offsets")
-            self.set_members(self.members, group_of, state)
+        group = next(g for g in self.flat.groups if g.device == self.device and g.dtype == self.dtype)
+        self.state.follow(group)
+        self.layout_version = self.flat.layout_version
+        self._place()
 
-    def view(self, name: str, index: int) -> torch.Tensor:
-        """Member ``index``'s view of state buffer ``name`` (or of the master buffer)."""
-        buffer = self.master if name == MASTER_KEY else self.buffers[name]
-        offset, numel = int(self.offsets[index]), int(self.numels[index])
-        shape, strides = self.geometry[index]
-        if strides is None:
-            return buffer[offset : offset + numel].view(shape)
-        return buffer.as_strided(shape, strides, buffer.storage_offset() + offset)
+    def _place(self) -> None:
+        for member in self.members:
+            where = self.flat.range_of(member.param)  # the layout, as the FlatParams states it
+            member.index = self.state.index_of(member.param)
+            member.start, member.end = where.start, where.end
+        self.members.sort(key=lambda m: m.index)
+        self.params = [m.param for m in self.members]
+        self.plans.clear()
 
-    def ensure_buffer(self, name: str) -> torch.Tensor:
-        if name not in self.buffers:
-            self.buffers[name] = torch.zeros_like(self._data, dtype=self.state_dtype)
-        return self.buffers[name]
+    def plan(self, active: tuple[bool, ...]) -> _Plan:
+        plan = self.plans.get(active)
+        if plan is None:
+            plan = self.plans[active] = _Plan([m for m, on in zip(self.members, active) if on])
+            if len(self.plans) > _CACHE_SIZE:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(active)
+        return plan
 
-    @property
-    def grad(self) -> torch.Tensor:
-        return self._grad
+    def table(self, plan: _Plan, member_rows: tuple[int, ...], pad: bool) -> RunTable:
+        """The runs of this step: maximal ranges of adjacent members that share a row.
 
-    # ------------------------------------------------------------------ blocks
-
-    def block_table(self, active: np.ndarray, member_rows: np.ndarray, merge: bool) -> BlockTable:
-        """Block table for this step's active members (cached: most steps look like the last)."""
-        key = (active.tobytes(), member_rows.tobytes(), merge)
-        table = self._tables.get(key)
+        ``pad``: runs may cross the zero padding between neighbours (never
+        another parameter) and end rounded up into it, when the update keeps
+        zeros at zero: fewer, aligned runs.
+        """
+        key = (member_rows, pad)
+        table = plan.tables.get(key)
         if table is not None:
-            self._tables.move_to_end(key)
+            plan.tables.move_to_end(key)
             return table
-        runs = []
-        index, n = 0, len(self.members)
-        while index < n:
-            if not active[index]:
-                index += 1
-                continue
-            first, row = index, member_rows[index]
-            while merge and index + 1 < n and self.adjacent_next[index] and active[index + 1] and member_rows[index + 1] == row:
-                index += 1
-            end = int(self.offsets[index] + self.numels[index])
-            if merge:  # into the zero padding, so that block ends are aligned too
-                end = -(-end // self.align_elements) * self.align_elements
-            runs.append((int(self.offsets[first]), end, int(row)))
-            index += 1
-        starts, ends, rows = [], [], []
-        for start, end, row in runs:
-            block_starts = range(start, end, BLOCK)
-            starts.extend(block_starts)
-            ends.extend(min(s + BLOCK, end) for s in block_starts)
-            rows.extend([row] * len(block_starts))
-        packed = torch.tensor([starts, ends, rows], dtype=torch.int64).to(self.device)
-        table = BlockTable(runs, packed[0], packed[1], packed[2], self.align_elements if merge else 1)
-        self._tables[key] = table
-        if len(self._tables) > _TABLE_CACHE_SIZE:
-            self._tables.popitem(last=False)
+        align = self.align
+        runs: list[tuple[int, int, int]] = []
+        previous = -2
+        for member, row in zip(plan.members, member_rows):
+            end = -(-member.end // align) * align if pad else member.end
+            if pad and runs and runs[-1][2] == row and member.index == previous + 1:
+                runs[-1] = (runs[-1][0], end, row)
+            else:
+                runs.append((member.start, end, row))
+            previous = member.index
+        table = plan.tables[key] = RunTable(runs, start_align=align, end_align=align if pad else 1)
+        if len(plan.tables) > _CACHE_SIZE:
+            plan.tables.popitem(last=False)
         return table
 
 
 class FlatOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: parameters in flat buffers, one update per buffer.
 
-    Subclasses name their per-parameter state (:meth:`_state_names`), build
-    the coefficient row of a (group, step) pair and run the update of a unit
-    with the Triton kernel or with torch's fused CPU kernels.
+    Subclasses set :attr:`family` (the update maths), :attr:`state_names`
+    (every per-parameter state tensor they keep, by torch's names) and
+    :attr:`torch_name`, and implement :meth:`_check_group` and :meth:`_hyper`.
     """
 
+    family: ClassVar[UpdateFamily]
+    state_names: ClassVar[tuple[str, ...]]
+    torch_name: ClassVar[str]  # the torch.optim class this one replaces (named in error messages)
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
-    _uses_step = True  # per-parameter 'step' in the state (Adam); SGD has none
-    _triton_kernel = ""  # name of the update kernel (for describe() and the log)
 
     def __init__(self, params: Any, defaults: dict[str, Any], master_weights: bool = False) -> None:
         if not isinstance(master_weights, bool):
@@ -247,21 +168,28 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._check_flags(defaults)
         self.master_weights = master_weights
         self._init_runtime()
+        if isinstance(params, FlatParams):
+            self._flats.append(params)  # bound to this very FlatParams
         # The constructor's groups are coalesced together (one buffer per device and dtype,
         # so one launch whatever the number of groups); later add_param_group calls coalesce
         # their own new parameters.
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
-        self._coalesce([p for group in self.param_groups for p in group["params"]])
-        self._build_units()
+        self._bind([p for group in self.param_groups for p in group["params"]])
 
     def _init_runtime(self) -> None:
         """What the optimizer keeps besides torch's defaults/state/param_groups (rebuilt after a copy)."""
-        self._units: list[_Unit] = []
-        self._owned: list[FlatParams] = []  # FlatParams created by this optimizer
+        self._buffers: list[_Buffer] = []
+        self._flats: list[FlatParams] = []  # every FlatParams it updates; held here (nothing else keeps them alive)
+        self._entries = 0  # members with an entry in self.state (a drop in len(self.state) shows a clear())
         self._announced: set[tuple] = set()  # (device, dtype, backend) already logged
         self._constructing = False
+
+    @property
+    def flat_params(self) -> tuple[FlatParams, ...]:
+        """The FlatParams whose buffers the optimizer updates (each holds some of its parameters)."""
+        return tuple(self._flats)
 
     # ------------------------------------------------------------------ groups
 
@@ -271,75 +199,86 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _check_flags(self, group: dict[str, Any]) -> None:
         """Checks torch.optim's implementation switches in ``group`` (see :func:`check_implementation_flags`)."""
-        check_implementation_flags(type(self).__name__, self._torch_class_name(), group)
-
-    @classmethod
-    def _torch_class_name(cls) -> str:
-        """The torch.optim class this one replaces (named in error messages)."""
-        raise NotImplementedError
+        check_implementation_flags(type(self).__name__, self.torch_name, group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group like torch, checks it, and coalesces its parameters that are not in a flat buffer yet."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets will change between runs. Please use a list instead.")
-        else:
-            params = list(params) if params is not None else []
-        named = [p for p in params if isinstance(p, tuple)]
-        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-        seen: set[int] = set()
-        for param in tensors:
-            if not isinstance(param, torch.Tensor):
-                raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(param))
-            if id(param) in seen:
-                raise ValueError("optimizer contains a parameter group with duplicate parameters")
-            seen.add(id(param))
-            if param.is_complex() or param.dtype not in _SUPPORTED:
-                raise ValueError(
-                    f"`{type(self).__name__}` requires all the params to be floating point Tensors "
-                    f"(float16, bfloat16, float32 or float64), but got {param.dtype}"
-                )
-            if param.layout != torch.strided:
-                raise ValueError(f"`{type(self).__name__}` does not support sparse parameters ({param.layout})")
-        param_group = dict(param_group)
-        param_group["params"] = params if named else tensors
-        for name, default in self.defaults.items():
-            param_group.setdefault(name, default)
-        self._check_group(param_group)
-        self._check_flags(param_group)
-        super().add_param_group(param_group)  # leaf check, "appear in more than one parameter group"
+        """Adds a group as torch does, checks it, and binds its parameters to flat buffers.
+
+        A :class:`~tfuse.flat.FlatParams` given as the group's ``params`` is
+        the one its parameters are updated in; parameters in no FlatParams are
+        coalesced into a new one.
+        """
+        flat = None
+        if isinstance(param_group, dict):
+            flat = param_group.get("params")
+            param_group = dict(param_group)  # torch edits the dict it is given; the caller's stays as it was
+        with warnings.catch_warnings():
+            # torch only warns about duplicates (an error "in future"); check_params raises it now.
+            warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)  # Tensors, leaves, names, defaults, no parameter in two groups
+        group = self.param_groups[-1]
+        try:
+            check_params(type(self).__name__, group["params"])
+            self._check_group(group)
+            self._check_flags(group)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        if isinstance(flat, FlatParams) and flat not in self._flats:
+            self._flats.append(flat)
         if not self._constructing:
-            self._coalesce(self.param_groups[-1]["params"])
-            self._build_units()
+            self._bind(group["params"])
 
-    def _coalesce(self, params: list[torch.Tensor]) -> None:
-        loose = [p for p in params if flat_params_of(p) is None]
+    def _flat_of(self, param: torch.Tensor) -> FlatParams | None:
+        for flat in self._flats:
+            if flat.holds(param):
+                return flat
+        return flat_params_of(param)
+
+    def _bind(self, new: list[torch.Tensor]) -> None:
+        """Binds new parameters to the FlatParams holding them (coalescing loose ones) and rebuilds the buffers.
+
+        Members already bound keep their records and state; a buffer whose
+        FlatParams was laid out again since the last step follows first.
+        """
+        loose = [p for p in new if self._flat_of(p) is None]
         if loose:
-            self._owned.append(FlatParams(loose))
-
-    def _group_of(self) -> dict[int, int]:
-        return {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
-
-    def _build_units(self) -> None:
-        by_place: dict[tuple[int, torch.device, torch.dtype], list] = {}
-        owners: dict[int, FlatParams] = {}
-        for group in self.param_groups:
+            self._flats.append(FlatParams(loose))
+        known = {id(m.param): m for b in self._buffers for m in b.members}
+        existing = {(id(b.flat), b.device, b.dtype): b for b in self._buffers}
+        buffers: dict[tuple, tuple[_Buffer, list[_Member]]] = {}
+        for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                owner = flat_params_of(param)
-                owners[id(owner)] = owner
-                by_place.setdefault((id(owner), param.device, param.dtype), []).append(param)
-        existing = {(id(u.owner), u.device, u.dtype): u for u in self._units}
-        group_of = self._group_of()
-        units = []
-        for (owner_id, device, dtype), params in by_place.items():
-            unit = existing.get((owner_id, device, dtype)) or _Unit(owners[owner_id], device, dtype, self.master_weights)
-            unit.set_members(params, group_of, self.state)
-            units.append(unit)
-        self._units = units
+                flat = self._flat_of(param)
+                key = (id(flat), param.device, param.dtype)
+                if key not in buffers:
+                    buffer = existing.get(key)
+                    if buffer is None:
+                        buffer = _Buffer(flat, flat.groups[flat.range_of(param).buffer], self.master_weights)
+                    elif buffer.layout_version != flat.layout_version:
+                        self._follow_layout(buffer)
+                    buffers[key] = (buffer, [])
+                member = known.get(id(param)) or _Member(param, index)
+                member.group = index
+                buffers[key][1].append(member)
+        for buffer, members in buffers.values():
+            buffer.set_members(members)
+        self._buffers = [buffer for buffer, _ in buffers.values()]
+        self._flats = list(dict.fromkeys(buffer.flat for buffer in self._buffers))
+
+    def _follow_layout(self, buffer: _Buffer) -> None:
+        logger.info("tfuse: flat layout changed; moving optimizer state to the new offsets")
+        buffer.follow_layout()
+        state = buffer.state
+        for member in buffer.members:
+            entry = self.state.get(member.param)
+            for name in entry or ():
+                if name == "step":
+                    entry[name] = state.step(member.param)
+                elif name == MASTER_KEY:
+                    entry[name] = state.master_view(member.param)
+                elif name in state.buffers:
+                    entry[name] = state.view(name, member.param)
 
     # ------------------------------------------------------------------ copies
 
@@ -358,34 +297,31 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _raw_state(self) -> dict[str, Any]:
         # The FlatParams the parameters live in travel along: copied in the same deepcopy call as the
         # parameters (or unpickled with them), they coalesce the copies again with the same layout, whichever
-        # of the model, the FlatParams and the optimizer the call reaches first.
-        owners = list({id(u.owner): u.owner for u in self._units}.values())
+        # of the model, the FlatParams and the optimizer the call reaches first; the copy then holds them.
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
-                "master_weights": self.master_weights, "flat_params": owners, "owned_flat_params": self._owned}
+                "master_weights": self.master_weights, "flat_params": list(self._flats)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuilds an optimizer from :meth:`__getstate__`'s state (unpickling, copy.deepcopy).
 
         As with torch.optim, the copy holds the parameters it was given (the
-        copies a deepcopy or unpickle made); parameters not in a flat buffer yet
-        are coalesced into new ones, and the per-parameter state is copied
-        into the new flat state buffers.
+        copies a deepcopy or unpickle made), bound to the copied FlatParams
+        that hold them; parameters in none are coalesced into new ones, and the
+        per-parameter state is copied into the new flat state buffers.
         """
         state = dict(state)
         saved_state = state.pop("state", {})
-        state.pop("flat_params", None)  # they re-registered their (copied) parameters as they were rebuilt
-        owned = state.pop("owned_flat_params", [])
+        flats = state.pop("flat_params", []) + state.pop("owned_flat_params", [])  # (the latter: older pickles)
         state.setdefault("master_weights", False)
         super().__setstate__(state)
         self._init_runtime()
-        self._owned = list(owned)
+        self._flats = list(flats)
         for group in self.param_groups:
             for name, default in self.defaults.items():
                 group.setdefault(name, default)
         self.state = collections.defaultdict(dict)
-        self._coalesce([p for group in self.param_groups for p in group["params"]])
-        self._build_units()
-        place = {id(p): (unit, index) for unit in self._units for index, p in enumerate(unit.members)}
+        self._bind([p for group in self.param_groups for p in group["params"]])
+        place = {id(m.param): (b, m) for b in self._buffers for m in b.members}
         for param, entry in saved_state.items():
             where = place.get(id(param))
             if where is not None and entry:
@@ -400,108 +336,22 @@ class FlatOptimizer(torch.optim.Optimizer):
         copied.__setstate__(copy.deepcopy(self._raw_state(), memo))
         return copied
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ what subclasses say
+
+    def _hyper(self, group: dict[str, Any], step: int, first: bool) -> Any:
+        """The update row (:class:`~tfuse.optim._update.AdamStep`...) of ``group`` at step ``step``;
+        ``first``: the parameters' first step."""
+        raise NotImplementedError
 
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """Flat state names a parameter of ``group`` gets at its first step (torch's keys)."""
-        raise NotImplementedError
+        """The flat state a parameter of ``group`` gets at its first step (none: SGD without momentum)."""
+        return self._hyper(group, 1, True).state_names
 
-    def _has_state(self, group: dict[str, Any]) -> bool:
-        """Whether parameters of ``group`` keep state at all (SGD without momentum does not)."""
+    def _pads_stay_zero(self) -> bool:
+        """Whether the update keeps zero padding at zero (runs may then cross it)."""
         return True
 
-    def _row(self, group: dict[str, Any], step: int, first: bool) -> tuple[list[float], dict[str, Any]]:
-        """Coefficient row for the kernel and keyword arguments for the torch path."""
-        raise NotImplementedError
-
-    def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
-    def _kernel_meta(self, unit: _Unit, table: BlockTable, grad_scale: torch.Tensor | None) -> dict[str, Any]:
-        """Compile-time arguments every update kernel takes."""
-        return dict(
-            ACC_FP64=unit.dtype == torch.float64, MASTER=unit.master_weights, GRAD_SCALE=grad_scale is not None,
-            EMULATE_BF16_RTNE=interpreter_active(), BLOCK=BLOCK, START_ALIGN=unit.align_elements,
-            END_ALIGN=table.end_align, num_warps=NUM_WARPS,
-        )
-
-    # ------------------------------------------------------------------ the PyTorch path
-
-    def _torch_kernel(self, group: dict[str, Any]) -> str:
-        """Name of the torch fused kernel (``torch._fused_adam_``...) that updates ``group`` on the PyTorch path."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _torch_state_names(spec: dict[str, Any]) -> tuple[str, ...]:
-        """State buffers the torch kernel of a coefficient row reads and writes."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _torch_call(spec: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                    states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
-        """One call of torch's fused kernel ``spec["kernel"]`` over lists of slices (updated in place)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _probe_specs(kernel: str) -> list[list[dict[str, Any]]]:
-        """Step sequences (specs as :meth:`_row` makes them) the probe of ``kernel`` runs."""
-        raise NotImplementedError
-
-    def _upcasts(self, unit: _Unit, kernel: str) -> bool:
-        """Whether the PyTorch path computes this unit's update on float32 copies.
-
-        With master weights it always does (on the masters). Low-precision
-        parameters without masters go through float32 only when torch's fused
-        kernel for their dtype failed the probe (torch 2.13's ``_fused_sgd_`` does).
-        """
-        if unit.master_weights:
-            return True
-        return unit.dtype in _LOW_PRECISION and not native_low_precision_ok(type(self), kernel, unit.dtype, unit.device)
-
-    def _torch_update(self, unit: _Unit, table: BlockTable, specs: list[dict[str, Any]], grad_scale: torch.Tensor | None) -> None:
-        """torch's fused kernels over whole runs of the flat buffers (one call per coefficient row).
-
-        Runs are cut into pieces of TORCH_PIECE elements: torch's fused CPU kernels
-        parallelize over a list of tensors better than inside one huge tensor
-        (measured: ResNet-50's 25.6M elements in one tensor 14.5 ms, in 1M pieces
-        10.7 ms, 2 cores). When the update goes through float32 (master weights, or
-        a low-precision dtype torch's kernel gets wrong), at most UPCAST_BATCH elements
-        are upcast at a time; the parameters, the low-precision state and, under AMP,
-        the unscaled gradients are written back rounded to nearest even.
-        """
-        by_row: dict[int, list[tuple[int, int]]] = {}
-        for start, end, row in table.runs:
-            by_row.setdefault(row, []).extend((s, min(s + TORCH_PIECE, end)) for s in range(start, end, TORCH_PIECE))
-        scale = None if grad_scale is None else grad_scale.to(torch.float32)
-        for row, spans in by_row.items():
-            spec = specs[row]
-            names = self._torch_state_names(spec)
-            if not self._upcasts(unit, spec["kernel"]):
-                self._torch_call(
-                    spec, [unit.data[s:e] for s, e in spans], [unit.grad[s:e] for s, e in spans],
-                    {name: [unit.buffers[name][s:e] for s, e in spans] for name in names}, scale,
-                )
-                continue
-            for batch in _batches(spans, UPCAST_BATCH):
-                if unit.master_weights:
-                    params = [unit.master[s:e] for s, e in batch]
-                else:
-                    params = [unit.data[s:e].float() for s, e in batch]
-                grads = [unit.grad[s:e].float() for s, e in batch]
-                states = {name: [unit.buffers[name][s:e].float() for s, e in batch] for name in names}
-                self._torch_call(spec, params, grads, states, scale)
-                for index, (s, e) in enumerate(batch):
-                    unit.data[s:e].copy_(params[index])
-                    if grad_scale is not None:
-                        unit.grad[s:e].copy_(grads[index])
-                    for name in names:
-                        buffer = unit.buffers[name]
-                        if buffer.dtype != torch.float32:  # float32 state (masters): updated in place already
-                            buffer[s:e].copy_(states[name][index])
-
-    def _merge_runs(self) -> bool:
-        """Whether runs may cross padding (the update must keep zero padding at zero)."""
-        return True
+    # ------------------------------------------------------------------ step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -519,105 +369,102 @@ class FlatOptimizer(torch.optim.Optimizer):
         if found_inf is not None and bool(found_inf.item()):
             # GradScaler found inf/NaN: skip the step, nothing changes (reads one scalar, as GradScaler does).
             return loss
-        for owner in {id(u.owner): u.owner for u in self._units}.values():
-            owner.sync_grads()
-        group_of = None
-        for unit in self._units:
-            if unit.layout_version != unit.owner.layout_version:
-                group_of = group_of or self._group_of()
-                unit.follow_layout(group_of, self.state)
-        for unit in self._units:
-            self._step_unit(unit, grad_scale)
+        for flat in self._flats:
+            flat.sync_grads()
+        if self._entries > len(self.state):
+            self._forget_removed_entries()  # someone cleared optimizer.state (or deleted entries)
+        for buffer in self._buffers:
+            if buffer.layout_version != buffer.flat.layout_version:
+                self._follow_layout(buffer)
+            self._step_buffer(buffer, grad_scale)
         return loss
 
-    def _step_unit(self, unit: _Unit, grad_scale: torch.Tensor | None) -> None:
-        members = unit.members
-        active = np.fromiter((p.grad is not None for p in members), dtype=bool, count=len(members))
-        if not active.any():
+    def _step_buffer(self, buffer: _Buffer, grad_scale: torch.Tensor | None) -> None:
+        plan = buffer.plan(tuple([p.grad is not None for p in buffer.params]))
+        if not plan.members:
             return
+        fresh = [not m.started for m in plan.members]
+        if any(fresh):
+            self._start(buffer, [m for m, first in zip(plan.members, fresh) if first])
+        counts = None
+        if self.family.uses_step:
+            steps = buffer.state.steps.numpy()  # shares memory with the 'step' entries of optimizer.state
+            steps[plan.positions] += 1
+            counts = steps[plan.positions]
+        if buffer.master_weights:
+            self._refresh_masters(buffer, plan.members)
+        rows, member_rows = self._rows(plan, counts, fresh)
+        table = buffer.table(plan, member_rows, self._pads_stay_zero())
+        backend = select_backend(buffer.device, type(self).__name__)
+        update(self.family, buffer.state.buffers_for_update(), table, rows, grad_scale=grad_scale, backend=backend)
+        self._announce(buffer, backend)
+        if buffer.master_weights:
+            for member in plan.members:
+                member.version = member.param._version
+
+    def _rows(self, plan: _Plan, counts: np.ndarray | None, fresh: list[bool]) -> tuple[list[Any], tuple[int, ...]]:
+        """This step's rows of hyperparameters (one per distinct group, step count and first step) and each
+        member's row."""
         groups = self.param_groups
-        if self._state_out_of_sync(unit):
-            self._resync_flags(unit)
-        first = active & ~unit.initialized
-        if first.any():
-            self._init_state(unit, np.flatnonzero(first))
-        steps_now = unit.steps.numpy()
-        if self._uses_step:
-            steps_now[active] += 1
-        if unit.master_weights:
-            self._refresh_masters(unit, active)
-        # One coefficient row per distinct (group, step, first step) among the active members,
-        # found with numpy: a per-member Python loop would cost more than the GPU update itself.
-        active_index = np.flatnonzero(active)
-        codes = (unit.group_index[active_index] << 41) | (steps_now[active_index].astype(np.int64) << 1) | first[active_index]
-        distinct, inverse = np.unique(codes, return_inverse=True)
-        member_rows = np.full(len(members), -1, dtype=np.int64)
-        member_rows[active_index] = inverse
-        rows, specs = [], []
-        for code in distinct.tolist():
-            values, spec = self._row(groups[code >> 41], (code >> 1) & ((1 << 40) - 1), bool(code & 1))
-            rows.append(values)
-            specs.append(spec)
-        table = unit.block_table(active, member_rows, self._merge_runs())
-        backend = select_backend(unit.device, type(self).__name__)
-        if backend is Backend.TRITON:
-            self._launch(unit, table, torch.tensor(rows, dtype=torch.float64).to(unit.device, non_blocking=True), grad_scale)
-        else:
-            self._torch_update(unit, table, specs, grad_scale)
-        self._announce(unit, backend)
-        if unit.master_weights:
-            unit.versions[active] = [p._version for p, on in zip(members, active) if on]
+        if not any(fresh) and (counts is None or bool((counts == counts[0]).all())):
+            # The usual step: no first step, one step count throughout, so one row per group.
+            step = 0 if counts is None else int(counts[0])
+            return [self._hyper(groups[g], step, False) for g in plan.groups], plan.group_rows
+        steps = itertools.repeat(0) if counts is None else counts.astype(np.int64).tolist()
+        keys: dict[tuple[int, int, bool], int] = {}
+        member_keys = zip((m.group for m in plan.members), steps, fresh)
+        member_rows = tuple(keys.setdefault(key, len(keys)) for key in member_keys)
+        return [self._hyper(groups[g], step, first) for g, step, first in keys], member_rows
 
-    def _state_out_of_sync(self, unit: _Unit) -> bool:
-        # Cheap check that nobody removed state entries behind our back (e.g. optimizer.state.clear()).
-        return int(unit.has_entry.sum()) > len(self.state)
-
-    def _resync_flags(self, unit: _Unit) -> None:
-        for index, param in enumerate(unit.members):
-            if unit.has_entry[index] and not self.state.get(param):
-                unit.has_entry[index] = unit.initialized[index] = False
-
-    def _init_state(self, unit: _Unit, indices: np.ndarray) -> None:
+    def _start(self, buffer: _Buffer, members: list[_Member]) -> None:
         """torch's lazy state creation, for members getting their first gradient: zeroed views."""
-        groups = self.param_groups
-        for index in indices:
-            param = unit.members[index]
-            group = groups[unit.group_index[index]]
-            unit.initialized[index] = True
-            has_state = self._has_state(group)
-            if not (has_state or unit.master_weights):
+        state = buffer.state
+        names_of: dict[int, tuple[str, ...]] = {}
+        for member in members:
+            member.started = True
+            names = names_of.get(member.group)
+            if names is None:
+                names = names_of[member.group] = self._state_names(self.param_groups[member.group])
+            if not (names or buffer.master_weights):
                 continue
-            entry = self.state[param]
+            entry = self.state[member.param]
             entry.clear()
-            if self._uses_step and has_state:
-                unit.steps[index] = 0.0
-                entry["step"] = unit.steps[index]
-            for name in self._state_names(group) if has_state else ():
-                unit.ensure_buffer(name)
-                view = unit.view(name, index)
+            if names and self.family.uses_step:
+                state.steps[member.index] = 0.0
+                entry["step"] = state.step(member.param)
+            for name in names:
+                state.ensure(name)
+                view = state.view(name, member.param)
                 view.zero_()
                 entry[name] = view
-            if unit.master_weights:
-                self._init_master(unit, index)
-                entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
-            unit.has_entry[index] = True
+            if buffer.master_weights:
+                self._init_master(buffer, member)
+                entry[MASTER_KEY] = state.master_view(member.param)
+            self._set_has_entry(member, True)
 
-    def _init_master(self, unit: _Unit, index: int, value: torch.Tensor | None = None) -> None:
-        if unit.master is None:
-            unit.master = unit.data.to(torch.float32)
-        param = unit.members[index]
-        unit.view(MASTER_KEY, index).copy_(param.detach() if value is None else value)
-        unit.versions[index] = param._version
+    def _set_has_entry(self, member: _Member, has_entry: bool) -> None:
+        self._entries += has_entry - member.has_entry
+        member.has_entry = has_entry
 
-    def _refresh_masters(self, unit: _Unit, active: np.ndarray) -> None:
+    def _forget_removed_entries(self) -> None:
+        for buffer in self._buffers:
+            for member in buffer.members:
+                if member.has_entry and not self.state.get(member.param):
+                    self._set_has_entry(member, False)
+                    member.started = False
+
+    def _init_master(self, buffer: _Buffer, member: _Member, value: torch.Tensor | None = None) -> None:
+        buffer.state.ensure_master()
+        buffer.state.master_view(member.param).copy_(member.param.detach() if value is None else value)
+        member.version = member.param._version
+
+    def _refresh_masters(self, buffer: _Buffer, members: list[_Member]) -> None:
         """A parameter written through its Parameter since our last step (load_state_dict of the
         model, ``p.copy_``): its master copy takes the new value, so nothing the user set is lost."""
-        if unit.master is None:
-            unit.master = unit.data.to(torch.float32)
-        for index in np.flatnonzero(active):
-            param = unit.members[index]
-            if param._version != unit.versions[index]:
-                self._init_master(unit, index)
+        buffer.state.ensure_master()
+        for member in members:
+            if member.param._version != member.version:
+                self._init_master(buffer, member)
 
     # ------------------------------------------------------------------ zero_grad / state_dict
 
@@ -625,10 +472,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         """Like torch's, but a flat buffer whose parameters are all ours is zeroed in one op."""
         ours = {id(p) for group in self.param_groups for p in group["params"]}
         loose = []
-        for owner in {id(u.owner): u.owner for u in self._units}.values():
-            params = owner.params
+        for flat in self._flats:
+            params = flat.params
             if all(id(p) in ours for p in params if p.requires_grad):
-                owner.zero_grad(set_to_none)
+                flat.zero_grad(set_to_none)
             else:
                 loose.extend(p for p in params if id(p) in ours)
         for param in loose:
@@ -649,7 +496,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         ``capturable=True`` torch optimizer loads like any other.
         Raises ValueError for a different number of groups, a group of a
         different size, or a state tensor whose shape differs from its
-        parameter's.
+        parameter's; nothing is changed then.
+
+        The steps are torch.optim's, in its order and words (pre-hooks, group
+        checks, matching parameters by position, post-hooks), but not its
+        code: torch casts every state tensor to its parameter's dtype (the
+        float32 state and masters of float16/bfloat16 parameters would lose
+        their precision) and copies the whole state once more before it could
+        be copied into the flat buffers.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -661,10 +515,12 @@ class FlatOptimizer(torch.optim.Optimizer):
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
         id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
                           itertools.chain.from_iterable(g["params"] for g in groups)))
-        flat_names = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", MASTER_KEY}
+        flat_names = {*self.state_names, MASTER_KEY}
         for saved_id, entry in state_dict["state"].items():
             param = id_map.get(saved_id)
             if param is None:
@@ -691,97 +547,94 @@ class FlatOptimizer(torch.optim.Optimizer):
             new_groups.append(saved)
         self.param_groups = new_groups
         self.state = collections.defaultdict(dict)
-        group_of = self._group_of()
-        for unit in self._units:
-            unit.group_index = np.array([group_of[id(p)] for p in unit.members], dtype=np.int64)
-            unit._tables.clear()
-            for buffer in unit.buffers.values():
-                buffer.zero_()
-            unit.initialized[:] = False
-            unit.has_entry[:] = False
-            unit.steps.zero_()
-        place = {id(p): (unit, index) for unit in self._units for index, p in enumerate(unit.members)}
+        place = {}
+        for buffer in self._buffers:
+            buffer.state.reset()
+            for member in buffer.members:
+                member.started = member.has_entry = False
+                place[id(member.param)] = (buffer, member)
+        self._entries = 0
         for saved_id, entry in state_dict["state"].items():
             param = id_map.get(saved_id)
-            if param is None:
-                continue
-            unit, index = place[id(param)]
-            self.state[param] = self._adopt(unit, index, entry)
+            if param is not None:
+                self.state[param] = self._adopt(*place[id(param)], entry)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _adopt(self, unit: _Unit, index: int, saved: dict[str, Any]) -> dict[str, Any]:
+    def _adopt(self, buffer: _Buffer, member: _Member, saved: dict[str, Any]) -> dict[str, Any]:
         """Copies one parameter's saved state into the flat buffers; returns its state entry."""
+        state, param = buffer.state, member.param
         entry: dict[str, Any] = {}
         for name, value in saved.items():
             if name == "step":
-                unit.steps[index] = float(value)
-                entry["step"] = unit.steps[index]
+                state.steps[member.index] = float(value)
+                entry["step"] = state.step(param)
             elif name == MASTER_KEY:
-                if unit.master_weights and isinstance(value, torch.Tensor):
-                    self._init_master(unit, index, value.to(unit.device, torch.float32))
-                    entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
-            elif isinstance(value, torch.Tensor) and name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
-                unit.ensure_buffer(name)
-                view = unit.view(name, index)
+                if buffer.master_weights and isinstance(value, torch.Tensor):
+                    self._init_master(buffer, member, value.to(buffer.device, torch.float32))
+                    entry[MASTER_KEY] = state.master_view(param)
+            elif isinstance(value, torch.Tensor) and name in self.state_names:
+                state.ensure(name)
+                view = state.view(name, param)
                 view.copy_(value)
                 entry[name] = view
             elif value is not None:
                 entry[name] = copy.deepcopy(value)
-        if unit.master_weights and MASTER_KEY not in entry and entry:
-            self._init_master(unit, index)
-            entry[MASTER_KEY] = unit.view(MASTER_KEY, index)
-        if self._uses_step and "step" not in entry and entry:
-            entry["step"] = unit.steps[index]
-        unit.initialized[index] = unit.has_entry[index] = bool(entry)
+        if buffer.master_weights and MASTER_KEY not in entry and entry:
+            self._init_master(buffer, member)
+            entry[MASTER_KEY] = state.master_view(param)
+        if self.family.uses_step and "step" not in entry and entry:
+            entry["step"] = state.step(param)
+        member.started = bool(entry)
+        self._set_has_entry(member, bool(entry))
         return entry
 
     # ------------------------------------------------------------------ report
 
-    def _route(self, unit: _Unit, backend: Backend) -> str:
-        """How ``backend`` updates ``unit`` each step, in words."""
+    def _route(self, buffer: _Buffer, backend: Backend) -> str:
+        """How ``backend`` updates ``buffer`` each step, in words."""
         if backend is Backend.TRITON:
-            return f"the Triton kernel {self._triton_kernel} (one launch per flat buffer)"
-        kernels = sorted({self._torch_kernel(group) for group in self.param_groups})
+            return f"the Triton kernel {self.family.kernel_name} (one launch per flat buffer)"
+        kernels = sorted({self._hyper(group, 1, True).torch_kernel for group in self.param_groups})
         routes = []
         for kernel in kernels:
-            if unit.master_weights:
+            if buffer.master_weights:
                 routes.append(f"torch.{kernel} on the float32 master weights")
-            elif self._upcasts(unit, kernel):
-                routes.append(f"torch.{kernel} on float32 copies rounded to {_name(unit.dtype)}, as torch's "
-                              f"{_name(unit.dtype)} kernel on {unit.device.type} failed tfuse's check")
+            elif upcasts(self.family, kernel, buffer.dtype, buffer.device, master=False):
+                routes.append(f"torch.{kernel} on float32 copies rounded to {_name(buffer.dtype)}, as torch's "
+                              f"{_name(buffer.dtype)} kernel on {buffer.device.type} failed tfuse's check")
             else:
                 routes.append(f"torch.{kernel}")
         return f"the PyTorch path ({', '.join(routes)}; no Triton kernel runs)"
 
-    def _backend_of(self, unit: _Unit) -> tuple[Backend | None, str]:
+    def _backend_of(self, buffer: _Buffer) -> tuple[Backend | None, str]:
         try:
-            backend = select_backend(unit.device, type(self).__name__)
+            backend = select_backend(buffer.device, type(self).__name__)
         except RuntimeError as error:  # the Triton backend forced where it cannot run: step() raises this
             return None, f"no backend ({error})"
-        return backend, self._route(unit, backend)
+        return backend, self._route(buffer, backend)
 
-    def _announce(self, unit: _Unit, backend: Backend) -> None:
+    def _announce(self, buffer: _Buffer, backend: Backend) -> None:
         """Logs once, at INFO, which backend serves the updates of a flat buffer."""
-        key = (unit.device, unit.dtype, backend)
+        key = (buffer.device, buffer.dtype, backend)
         if key in self._announced:
             return
         self._announced.add(key)
         logger.info("%s: the %s %s flat buffer (%d parameters) is updated by %s [%s]", type(self).__name__,
-                    unit.device, _name(unit.dtype), len(unit.members), self._route(unit, backend),
-                    _why(backend, unit.device))
+                    buffer.device, _name(buffer.dtype), len(buffer.members), self._route(buffer, backend),
+                    _why(backend, buffer.device))
 
     def _service(self) -> str:
         """What serves a step now: Triton launches per step, and the route of each flat buffer."""
-        routes: dict[str, list[_Unit]] = {}
+        routes: dict[str, list[_Buffer]] = {}
         launches = 0
-        for unit in self._units:
-            backend, route = self._backend_of(unit)
+        for buffer in self._buffers:
+            backend, route = self._backend_of(buffer)
             launches += backend is Backend.TRITON
-            routes.setdefault(route, []).append(unit)
+            routes.setdefault(route, []).append(buffer)
         parts = [
-            route if len(routes) == 1 else f"{', '.join(f'{u.device} {_name(u.dtype)}' for u in units)} by {route}"
-            for route, units in routes.items()
+            route if len(routes) == 1 else f"{', '.join(f'{b.device} {_name(b.dtype)}' for b in buffers)} by {route}"
+            for route, buffers in routes.items()
         ]
         return f"{launches} Triton launch{'es' if launches != 1 else ''} per step; served by {'; '.join(parts)}"
 
@@ -793,9 +646,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         interpreter decide): the Triton kernel, one launch per buffer per step,
         or the PyTorch path (torch's fused kernels; no Triton kernel runs).
         """
-        params = sum(len(u.members) for u in self._units)
-        elements = sum(int(u.numels.sum()) for u in self._units)
-        buffers = len(self._units)
+        params = sum(len(b.members) for b in self._buffers)
+        elements = sum(m.end - m.start for b in self._buffers for m in b.members)
+        buffers = len(self._buffers)
         return (f"{type(self).__name__}: {params} parameters ({elements} elements) in {buffers} flat "
                 f"buffer{'s' if buffers != 1 else ''}, {self._service()}")
 
@@ -820,134 +673,3 @@ def _why(backend: Backend, device: torch.device) -> str:
     if device.type == "cpu":
         return "CPU tensors without TRITON_INTERPRET=1"
     return f"no Triton kernels for device type {device.type}"
-
-
-def _batches(spans: list[tuple[int, int]], limit: int) -> Iterable[list[tuple[int, int]]]:
-    """Consecutive spans in lists of at most ``limit`` elements (at least one span each)."""
-    batch: list[tuple[int, int]] = []
-    size = 0
-    for span in spans:
-        length = span[1] - span[0]
-        if batch and size + length > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(span)
-        size += length
-    if batch:
-        yield batch
-
-
-def native_low_precision_ok(optimizer: type[FlatOptimizer], kernel: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether torch's fused ``kernel`` updates ``dtype`` tensors on ``device``'s type correctly.
-
-    Checked once per process and (kernel, dtype, device type): a few steps of
-    the option sets of ``optimizer._probe_specs(kernel)`` on a 331-element
-    tensor (vector bodies of every CPU ISA and a tail), with and without a grad
-    scale, against the same kernel on float32 copies rounded back to ``dtype``.
-    Parameters, state and unscaled gradients must agree within 2 units in the
-    last place. torch 2.13's ``_fused_sgd_`` fails it on CPU for float16 and
-    bfloat16: it leaves the parameters unchanged.
-    """
-    if device.type == "meta":
-        return True  # nothing is computed on the meta device
-    key = (kernel, dtype, device.type)
-    ok = _NATIVE_OK.get(key)
-    if ok is None:
-        with torch.no_grad():
-            ok = _probe(optimizer, kernel, dtype, device)
-        _NATIVE_OK[key] = ok
-        if not ok:
-            logger.info(
-                "tfuse: torch.%s gives wrong results for %s tensors on %s (torch %s); tfuse computes these "
-                "updates on float32 copies and rounds them instead", kernel, _name(dtype), device.type, torch.__version__,
-            )
-    return ok
-
-
-def _probe(optimizer: type[FlatOptimizer], kernel: str, dtype: torch.dtype, device: torch.device) -> bool:
-    generator = torch.Generator().manual_seed(0)  # never the global generator: the user's randomness stays theirs
-    n = 331
-    finfo = torch.finfo(dtype)
-
-    def random(scale: float = 1.0, positive: bool = False) -> torch.Tensor:
-        values = torch.randn(n, generator=generator) * scale
-        return (values.abs() if positive else values).to(device=device, dtype=dtype)
-
-    def agree(native: torch.Tensor, reference: torch.Tensor) -> bool:
-        return bool(torch.isclose(native.float(), reference.float(), rtol=2 * finfo.eps, atol=finfo.tiny).all())
-
-    for sequence in optimizer._probe_specs(kernel):
-        for grad_scale in (None, torch.tensor(8.0, device=device)):
-            names = optimizer._torch_state_names(sequence[0])
-            param = random()
-            states = {name: random(0.1, positive=True) for name in names}
-            for spec in sequence:
-                grad = random(1.0 if grad_scale is None else 8.0)
-                native = [param.clone()], [grad.clone()], {k: [v.clone()] for k, v in states.items()}
-                optimizer._torch_call(spec, *native, grad_scale)
-                upcast = [param.float()], [grad.float()], {k: [v.float()] for k, v in states.items()}
-                optimizer._torch_call(spec, *upcast, grad_scale)
-                param, grad = upcast[0][0].to(dtype), upcast[1][0].to(dtype)
-                states = {k: v[0].to(dtype) for k, v in upcast[2].items()}
-                if not agree(native[0][0], param) or (grad_scale is not None and not agree(native[1][0], grad)):
-                    return False
-                if not all(agree(native[2][k][0], states[k]) for k in names):
-                    return False
-    return True
-
-
-def check_implementation_flags(name: str, torch_name: str, group: dict[str, Any]) -> None:
-    """Checks torch.optim's implementation switches: accepts those tfuse honours, refuses the others.
-
-    * ``foreach`` (None or a bool): accepted and ignored. It picks among torch's
-      for-loop and multi-tensor implementations, which compute the same update;
-      tfuse has one implementation, the fused update of whole flat buffers.
-    * ``fused``: None or True (tfuse is always fused). False asks for an
-      implementation tfuse does not have: ValueError.
-    * ``fused=True`` with ``foreach=True``: torch's RuntimeError.
-    * ``differentiable=True``, ``capturable=True``: ValueError (see the messages).
-    """
-    foreach = group.get("foreach")
-    fused = group.get("fused")
-    if foreach is not None and not isinstance(foreach, bool):
-        raise TypeError(f"{name}: foreach must be None or a bool, got {foreach!r}")
-    if fused is not None and not isinstance(fused, bool):
-        raise TypeError(f"{name}: fused must be None or a bool, got {fused!r}")
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    if fused is False:
-        raise ValueError(
-            f"{name}: fused=False asks for one of torch's non-fused implementations, which tfuse does not have: "
-            f"{name} always updates whole flat buffers with one fused update per buffer. Pass fused=None or "
-            f"fused=True (foreach is accepted and ignored), or use {torch_name} for its for-loop implementation."
-        )
-    if group.get("differentiable"):
-        raise ValueError(
-            f"{name}: differentiable=True is not supported: the fused update runs outside autograd (under "
-            f"torch.no_grad), so no gradient flows through step(). Use {torch_name}(..., differentiable=True) to "
-            "differentiate through optimizer steps."
-        )
-    if group.get("capturable"):
-        raise ValueError(
-            f"{name}: capturable=True is not supported yet: tfuse reads the step counts and hyperparameters on the "
-            "host at every step (the 'step' state is a CPU tensor, as with torch's capturable=False), so step() "
-            f"cannot be captured in a CUDA graph. Use capturable=False (the default), or {torch_name}(..., "
-            "capturable=True) to capture the optimizer step."
-        )
-
-
-def as_float(value: float | torch.Tensor) -> float:
-    """A hyperparameter as a Python float (a 0-dim tensor lr is read once per step)."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def check_lr(lr: Any) -> None:
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-
-
-def check_non_negative(value: Any, what: str) -> None:
-    if not 0.0 <= value:
-        raise ValueError(f"Invalid {what} value: {value}")

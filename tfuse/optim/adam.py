@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from tfuse import kernels
-from tfuse._launch import launch
-from tfuse.optim._flat_optimizer import BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
+from tfuse.optim._checks import as_float, check_lr, check_non_negative
+from tfuse.optim._flat_optimizer import FlatOptimizer
+from tfuse.optim._update import ADAM, AdamStep
 
 
 class FusedAdam(FlatOptimizer):
@@ -26,7 +25,9 @@ class FusedAdam(FlatOptimizer):
     runs of the buffers.
 
     Args:
-        params: parameters or parameter groups, as for torch.optim.
+        params: parameters or parameter groups, as for torch.optim, or a
+            :class:`~tfuse.flat.FlatParams` (its parameters, updated in its
+            buffers; see :attr:`flat_params`).
         lr: learning rate, a float or a 0-dim tensor (read once per step).
         betas: coefficients of the running averages of the gradient and its
             square (both floats or both 1-element tensors, as in torch).
@@ -74,7 +75,9 @@ class FusedAdam(FlatOptimizer):
         ['exp_avg', 'exp_avg_sq', 'step']
     """
 
-    _triton_kernel = "_adam_kernel"
+    family = ADAM
+    state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    torch_name = "torch.optim.Adam"
 
     def __init__(
         self,
@@ -103,10 +106,6 @@ class FusedAdam(FlatOptimizer):
         defaults["betas"] = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
         super().__init__(params, defaults, master_weights)
 
-    @classmethod
-    def _torch_class_name(cls) -> str:
-        return "torch.optim.Adam"
-
     def _check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
         check_non_negative(group["eps"], "epsilon")
@@ -117,82 +116,17 @@ class FusedAdam(FlatOptimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         check_non_negative(group["weight_decay"], "weight_decay")
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    def _merge_runs(self) -> bool:
+    def _pads_stay_zero(self) -> bool:
         # Zero padding stays zero only while the denominator is positive there.
         return all(as_float(g["eps"]) > 0 for g in self.param_groups)
 
-    def _row(self, group: dict[str, Any], step: int, first: bool) -> tuple[list[float], dict[str, Any]]:
-        lr = as_float(group["lr"])
+    def _hyper(self, group: dict[str, Any], step: int, first: bool) -> AdamStep:
         beta1, beta2 = (as_float(b) for b in group["betas"])
-        eps, weight_decay = as_float(group["eps"]), as_float(group["weight_decay"])
-        decoupled = bool(group["decoupled_weight_decay"])
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        row = [
-            lr / bias_correction1,
-            beta1,
-            1.0 - beta1,
-            beta2,
-            1.0 - beta2,
-            eps,
-            0.0 if decoupled else weight_decay,
-            1.0 - lr * weight_decay if decoupled else 1.0,
-            math.sqrt(bias_correction2),
-            -1.0 if group["maximize"] else 1.0,
-            1.0 if group["amsgrad"] else 0.0,
-        ]
-        spec = dict(kernel=self._torch_kernel(group), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                    eps=eps, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]), step=step)
-        return row, spec
-
-    def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        exp_avg, exp_avg_sq = unit.buffers["exp_avg"], unit.buffers["exp_avg_sq"]
-        max_exp_avg_sq = unit.buffers.get("max_exp_avg_sq")
-        launch(
-            kernels._adam_kernel,
-            (table.n_blocks,),
-            (
-                unit.data, unit.grad, exp_avg, exp_avg_sq,
-                exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,
-                unit.data if unit.master is None else unit.master,
-                table.starts, table.ends, table.rows, rows,
-                rows if grad_scale is None else grad_scale,
-            ),
-            dict(AMSGRAD=max_exp_avg_sq is not None, **self._kernel_meta(unit, table, grad_scale)),
-            unit.device,
+        return AdamStep(
+            lr=as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=as_float(group["eps"]),
+            weight_decay=as_float(group["weight_decay"]), step=step, amsgrad=bool(group["amsgrad"]),
+            maximize=bool(group["maximize"]), decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
         )
-
-    # The PyTorch path: torch's fused Adam/AdamW over whole runs of the flat buffers.
-
-    def _torch_kernel(self, group: dict[str, Any]) -> str:
-        return "_fused_adamw_" if group["decoupled_weight_decay"] else "_fused_adam_"
-
-    @staticmethod
-    def _torch_state_names(spec: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if spec["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    @staticmethod
-    def _torch_call(spec: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                    states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
-        # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
-        step = torch.tensor(float(spec["step"]), dtype=torch.float32, device=params[0].device)
-        getattr(torch, spec["kernel"])(
-            params, grads, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq", []),
-            [step] * len(params), lr=spec["lr"], beta1=spec["beta1"], beta2=spec["beta2"],
-            weight_decay=spec["weight_decay"], eps=spec["eps"], amsgrad=spec["amsgrad"], maximize=spec["maximize"],
-            grad_scale=grad_scale,
-        )
-
-    @staticmethod
-    def _probe_specs(kernel: str) -> list[list[dict[str, Any]]]:
-        # Every option changes the result by many ulps of float16 and bfloat16 (2 ulps pass the check).
-        plain = dict(kernel=kernel, lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
-                     maximize=False)
-        every = dict(plain, lr=0.2, beta1=0.5, beta2=0.9, weight_decay=0.5, eps=1e-3, amsgrad=True, maximize=True)
-        return [[dict(plain, step=s) for s in (1, 2)], [dict(every, step=s) for s in (1, 2, 3)]]
 
 
 def _check_betas_types(betas: Any) -> None:
@@ -222,6 +156,8 @@ class FusedAdamW(FusedAdam):
         >>> optimizer.step()
     """
 
+    torch_name = "torch.optim.AdamW"
+
     def __init__(
         self,
         params: Any,
@@ -242,7 +178,3 @@ class FusedAdamW(FusedAdam):
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
         )
-
-    @classmethod
-    def _torch_class_name(cls) -> str:
-        return "torch.optim.AdamW"

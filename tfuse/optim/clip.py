@@ -45,14 +45,15 @@ from torch.utils._foreach_utils import (
 )
 
 from tfuse import kernels
-from tfuse._backend import Backend, interpreter_active, select_backend
+from tfuse._backend import Backend, select_backend
+from tfuse._kit import acc_dtype, emulate_bf16_rtne, num_warps
 from tfuse._launch import launch
 from tfuse.flat import FlatParams, flat_params_of
 
 BLOCK = 4096  # elements per program of the partial-norm and scaling kernels
-NUM_WARPS = 8  # 16 elements (four 128-bit vectors of float32) per thread
+NUM_WARPS = num_warps(BLOCK, 16)  # 16 elements (four 128-bit vectors of float32) per thread: 8 warps
 FINAL_BLOCK = 4096  # partials per iteration of the final kernel (GPT-2 small has ~30k partials)
-FINAL_NUM_WARPS = 8
+FINAL_NUM_WARPS = num_warps(FINAL_BLOCK, 16)
 _GRAD = operator.attrgetter("grad")
 _PLAN_CACHE_SIZE = 8
 _TABLE_CACHE_SIZE = 8
@@ -180,7 +181,6 @@ def clip_grad_norm_(
             "`error_if_nonfinite=False`"
         )
     max_hi, max_lo = _split_float(max_norm)
-    emulate = interpreter_active()
     for device, work in on_device.items():
         norm = total if total.device == device else total.to(device)
         for segment, table in work:
@@ -189,7 +189,7 @@ def clip_grad_norm_(
             launch(
                 kernels._clip_segments_kernel, (table.n_blocks,),
                 (segment.buffer(), table.blocks, norm, max_hi, max_lo),
-                dict(ALIGN=segment.align, HAS_TAIL=table.has_tail, EMULATE_BF16_RTNE=emulate, BLOCK=BLOCK,
+                dict(ALIGN=segment.align, HAS_TAIL=table.has_tail, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=BLOCK,
                      num_warps=NUM_WARPS),
                 device,
             )
@@ -408,11 +408,11 @@ def _flat_norm(
     device: torch.device, work: list[tuple[_Segment, _Table]], p: float, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
     """Norm of the flat segments on ``device``: one partial kernel per segment, one final kernel."""
-    acc_dtype = torch.float64 if any(segment.dtype == torch.float64 for segment, _ in work) else torch.float32
+    acc = acc_dtype(*(segment.dtype for segment, _ in work))
     kind = _NORM_KINDS.get(p, kernels.norm.NORM_P.value)
     p_hi, p_lo = _split_float(p if math.isfinite(p) else 1.0)
     n_partials = sum(table.n_blocks for _, table in work)
-    partials = torch.empty(max(n_partials, 1), dtype=acc_dtype, device=device)
+    partials = torch.empty(max(n_partials, 1), dtype=acc, device=device)
     offset = 0
     for segment, table in work:
         if table.n_blocks:
@@ -423,10 +423,10 @@ def _flat_norm(
                 device,
             )
             offset += table.n_blocks
-    total = torch.empty((), dtype=out_dtype or acc_dtype, device=device)
+    total = torch.empty((), dtype=out_dtype or acc, device=device)
     launch(
         kernels._norm_final_kernel, (1,), (partials, n_partials, total, p_hi, p_lo),
-        dict(NORM=kind, EMULATE_BF16_RTNE=interpreter_active(), BLOCK=FINAL_BLOCK, num_warps=FINAL_NUM_WARPS), device,
+        dict(NORM=kind, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=FINAL_BLOCK, num_warps=FINAL_NUM_WARPS), device,
     )
     return total
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from tfuse import kernels
-from tfuse._launch import launch
-from tfuse.optim._flat_optimizer import BlockTable, FlatOptimizer, _Unit, as_float, check_lr, check_non_negative
+from tfuse.optim._checks import as_float, check_lr, check_non_negative
+from tfuse.optim._flat_optimizer import FlatOptimizer
+from tfuse.optim._update import SGD, SGDStep
 
 
 class FusedSGD(FlatOptimizer):
@@ -22,11 +22,12 @@ class FusedSGD(FlatOptimizer):
     checked first and, when it gets them wrong, replaced by the same kernel on
     float32 copies, rounded back: torch 2.13's fused CPU SGD leaves
     low-precision parameters unchanged (see
-    :func:`~tfuse.optim._flat_optimizer.native_low_precision_ok`).
+    :func:`~tfuse.optim._update.native_low_precision_ok`).
     ``master_weights``, AMP and copies work as in :class:`~tfuse.optim.FusedAdam`.
 
     Args:
-        params: parameters or parameter groups, as for torch.optim.
+        params: parameters or parameter groups, as for torch.optim, or a
+            :class:`~tfuse.flat.FlatParams` (see :class:`~tfuse.optim.FusedAdam`).
         lr: learning rate, a float or a 0-dim tensor (read once per step).
         momentum: momentum factor.
         dampening: dampening of the momentum.
@@ -56,8 +57,9 @@ class FusedSGD(FlatOptimizer):
         ['momentum_buffer']
     """
 
-    _uses_step = False
-    _triton_kernel = "_sgd_kernel"
+    family = SGD
+    state_names = ("momentum_buffer",)
+    torch_name = "torch.optim.SGD"
 
     def __init__(
         self,
@@ -79,10 +81,6 @@ class FusedSGD(FlatOptimizer):
         self._check_group(defaults)
         super().__init__(params, defaults, master_weights)
 
-    @classmethod
-    def _torch_class_name(cls) -> str:
-        return "torch.optim.SGD"
-
     def _check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
         check_non_negative(group["momentum"], "momentum")
@@ -90,61 +88,12 @@ class FusedSGD(FlatOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _has_state(self, group: dict[str, Any]) -> bool:
-        return group["momentum"] != 0
-
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",)
-
-    def _row(self, group: dict[str, Any], step: int, first: bool) -> tuple[list[float], dict[str, Any]]:
-        lr, momentum = as_float(group["lr"]), as_float(group["momentum"])
-        dampening, weight_decay = as_float(group["dampening"]), as_float(group["weight_decay"])
-        row = [lr, momentum, 1.0 - dampening, weight_decay, 1.0 if group["nesterov"] else 0.0,
-               -1.0 if group["maximize"] else 1.0, 1.0 if first else 0.0]
-        spec = dict(kernel="_fused_sgd_", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                    nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]), is_first_step=first)
-        return row, spec
-
-    def _launch(self, unit: _Unit, table: BlockTable, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        momentum_buffer = unit.buffers.get("momentum_buffer")
-        launch(
-            kernels._sgd_kernel,
-            (table.n_blocks,),
-            (
-                unit.data, unit.grad, unit.data if momentum_buffer is None else momentum_buffer,
-                unit.data if unit.master is None else unit.master,
-                table.starts, table.ends, table.rows, rows, rows if grad_scale is None else grad_scale,
-            ),
-            dict(MOMENTUM=momentum_buffer is not None, **self._kernel_meta(unit, table, grad_scale)),
-            unit.device,
+    def _hyper(self, group: dict[str, Any], step: int, first: bool) -> SGDStep:
+        return SGDStep(
+            lr=as_float(group["lr"]), momentum=as_float(group["momentum"]), dampening=as_float(group["dampening"]),
+            weight_decay=as_float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]), first_step=first,
         )
-
-    # The PyTorch path: torch's fused SGD over whole runs of the flat buffers.
-
-    def _torch_kernel(self, group: dict[str, Any]) -> str:
-        return "_fused_sgd_"
-
-    @staticmethod
-    def _torch_state_names(spec: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if spec["momentum"] != 0 else ()
-
-    @staticmethod
-    def _torch_call(spec: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                    states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
-        torch._fused_sgd_(
-            params, grads, states.get("momentum_buffer", []), weight_decay=spec["weight_decay"],
-            momentum=spec["momentum"], lr=spec["lr"], dampening=spec["dampening"], nesterov=spec["nesterov"],
-            maximize=spec["maximize"], is_first_step=spec["is_first_step"], grad_scale=grad_scale,
-        )
-
-    @staticmethod
-    def _probe_specs(kernel: str) -> list[list[dict[str, Any]]]:
-        # Every option changes the result by many ulps of float16 and bfloat16 (2 ulps pass the check).
-        plain = dict(kernel=kernel, lr=0.5, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                     maximize=False, is_first_step=True)
-        nesterov = dict(plain, momentum=0.9, weight_decay=0.5, nesterov=True, maximize=True)
-        damped = dict(plain, momentum=0.8, dampening=0.3, weight_decay=0.3)
-        return [[plain], [nesterov, dict(nesterov, is_first_step=False)], [damped, dict(damped, is_first_step=False)]]
 
 
 class FusedMomentum(FusedSGD):
