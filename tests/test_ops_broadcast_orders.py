@@ -66,14 +66,18 @@ def _check_add(inputs, backend):
 
 
 def assert_reduced_accurately(actual: torch.Tensor, grad: torch.Tensor, shape) -> None:
-    """``actual`` is ``grad`` summed to ``shape``: against the float64 sum, within one rounding of
-    the coarser of the two dtypes (torch, and tfuse, sum in the gradient's dtype, then cast) plus a
-    float32 accumulation of the terms (the bound of assert_sum_accurate)."""
+    """``actual`` is ``grad`` summed to ``shape``: against the float64 sum, within the roundings torch
+    (and tfuse) make: the sum is rounded to the gradient's dtype, then cast to ``actual``'s (two
+    roundings when the dtypes differ, e.g. a float16 sum cast to bfloat16: (1 + u_grad)(1 + u_actual) - 1
+    relative), plus a float32 accumulation of the terms (the bound of assert_sum_accurate)."""
     terms = grad.double()
     exact = terms.sum_to_size(shape)
     n = terms.numel() // max(exact.numel(), 1)
     coarse = torch.finfo(max((actual.dtype, grad.dtype), key=lambda d: torch.finfo(d).eps))
-    bound = coarse.eps / 2 * exact.abs() + n * 2.0**-24 * terms.abs().sum_to_size(shape) + coarse.tiny
+    rounding = torch.finfo(grad.dtype).eps / 2
+    if actual.dtype != grad.dtype:
+        rounding = (1 + rounding) * (1 + torch.finfo(actual.dtype).eps / 2) - 1
+    bound = rounding * exact.abs() + n * 2.0**-24 * terms.abs().sum_to_size(shape) + coarse.tiny
     assert ((actual.double().to(exact.device) - exact).abs() <= bound).all(), (actual, exact)
 
 
