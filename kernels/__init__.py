@@ -8,7 +8,6 @@ the grid and launch these kernels.
 from . import activations  # noqa: F401
 from .add import _add_fwd_kernel  # noqa: F401
 from .add_act import _add_act_bwd_kernel, _add_act_fwd_kernel, _sum_partials_kernel  # noqa: F401
-from .norm import _clip_segments_kernel, _norm_final_kernel, _norm_partial_kernel  # noqa: F401
 from .batch_norm import (  # noqa: F401
     _bn_act_bwd_dx_kernel,
     _bn_act_bwd_reduce_kernel,
@@ -17,5 +16,6 @@ from .batch_norm import (  # noqa: F401
     _bn_stats_final_kernel,
     _bn_stats_partial_kernel,
 )
-from .tiles import COL, LINEAR, ROW, SCALAR, STRIDED  # noqa: F401
+from .norm import _clip_segments_kernel, _norm_final_kernel, _norm_partial_kernel  # noqa: F401
 from .optim import _adam_kernel, _sgd_kernel  # noqa: F401
+from .tiles import COL, LINEAR, ROW, SCALAR, STRIDED  # noqa: F401

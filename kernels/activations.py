@@ -156,7 +156,7 @@ def _activation(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
         y = 0.5 * z * (1.0 + tl.erf(z * _SQRT_HALF))
     elif ACT == GELU_TANH:
         # z * sigmoid(a); below a = -80 the result (under 1e-33 |z|) is a signed 0, as tanh(u) == -1 gives in torch.
-        a, z2, e, s = _gelu_tanh_parts(z, MATH)
+        a, _z2, _e, s = _gelu_tanh_parts(z, MATH)
         y = tl.where(a < -_EXP_ARG_MAX, z * 0.0, z * s)
     elif ACT == SILU:
         y = z * _sigmoid_m(z, MATH)
@@ -185,7 +185,7 @@ def _activation_grad(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
         # Past |z| = 10 either s = 0 (below) or e s < 2e-35 (above): z is clamped there so that
         # z a' stays finite for any finite z (NaN still propagates through s); +-inf is kept,
         # so that the derivative there is inf * 0 = NaN, as torch's (and as gelu's and silu's).
-        a, z2, e, s = _gelu_tanh_parts(z, MATH)
+        a, _z2, e, s = _gelu_tanh_parts(z, MATH)
         s = tl.where(a < -_EXP_ARG_MAX, 0.0, s)
         zc = tl.where(tl.abs(z) == _INF, z, tl.minimum(tl.maximum(z, -10.0), 10.0))
         d = s * (1.0 + zc * (_GELU_TANH_K0 + zc * zc * _GELU_TANH_K1x3) * (e * s))

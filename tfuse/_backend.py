@@ -35,9 +35,7 @@ class Backend(str, enum.Enum):
 
 
 _CHOICES = ("auto", Backend.TRITON.value, Backend.TORCH.value)
-_override: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
-    "tfuse_backend_override", default=None
-)
+_override: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("tfuse_backend_override", default=None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -48,9 +46,7 @@ def _parse(value: str, source: str) -> Backend | None:
         return None
     if name in (Backend.TRITON.value, Backend.TORCH.value):
         return Backend(name)
-    raise ValueError(
-        f"{source}={value!r} is not a tfuse backend; expected one of {', '.join(_CHOICES)}"
-    )
+    raise ValueError(f"{source}={value!r} is not a tfuse backend; expected one of {', '.join(_CHOICES)}")
 
 
 def requested_backend() -> Backend | None:

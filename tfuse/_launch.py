@@ -97,7 +97,7 @@ def launch(
                 counter.by_kernel[name] += 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -221,11 +221,16 @@ def _keep_compiled(kernel: Any, compiled: Any, args: tuple, meta: dict, cache: d
         if not all(args[i].data_ptr() % 16 == 0 for i in tensors):
             return  # compiled for unaligned pointers: not the specialisation later calls should reuse
         names = list(kernel.arg_names)
-        constexprs = tuple(meta[name] for name in names[len(args):])  # every later parameter is a constexpr
+        constexprs = tuple(meta[name] for name in names[len(args) :])  # every later parameter is a constexpr
         hooks = knobs.runtime
         compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata  # noqa: B018
-        cache.update(tensors=tensors, dtypes=tuple(args[i].dtype for i in tensors), constexprs=constexprs,
-                     driver=driver.active, hooks=hooks)
+        cache.update(
+            tensors=tensors,
+            dtypes=tuple(args[i].dtype for i in tensors),
+            constexprs=constexprs,
+            driver=driver.active,
+            hooks=hooks,
+        )
         cache["compiled"] = compiled
     except Exception:  # another Triton: this site keeps using the ordinary path
         cache["compiled"] = None
@@ -239,6 +244,14 @@ def _run_compiled(compiled: Any, grid: tuple[int, ...], args: tuple, cache: dict
     enter = hooks.launch_enter_hook
     metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
     compiled.run(
-        grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, compiled.function,
-        compiled.packed_metadata, metadata, enter, hooks.launch_exit_hook, *full,
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        metadata,
+        enter,
+        hooks.launch_exit_hook,
+        *full,
     )

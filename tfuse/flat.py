@@ -413,15 +413,24 @@ class FlatParams:
             padding = shard * self._shard_multiple - trainable_end
             trainable_end += padding
             cursor += padding
-            offsets[len(trainable):] = [offset + padding for offset in offsets[len(trainable):]]
+            offsets[len(trainable) :] = [offset + padding for offset in offsets[len(trainable) :]]
         data = torch.zeros(cursor, dtype=dtype, device=device)
         grad = torch.zeros(trainable_end, dtype=dtype, device=device) if trainable else None
         home = weakref.ref(self)
         for buffer in (data, grad):
             if buffer is not None:
                 setattr(buffer.untyped_storage(), _HOME_ATTR, home)
-        group = FlatGroup(device, dtype, ordered, offsets, data, grad, len(trainable),
-                          [tuple(p.shape) for p in ordered], [_dense_strides(p) for p in ordered])
+        group = FlatGroup(
+            device,
+            dtype,
+            ordered,
+            offsets,
+            data,
+            grad,
+            len(trainable),
+            [tuple(p.shape) for p in ordered],
+            [_dense_strides(p) for p in ordered],
+        )
         for position, param in enumerate(ordered):
             view = group.slot(data, position)
             with torch.no_grad():
@@ -470,8 +479,15 @@ class FlatParams:
             grad_base = None if group.grad is None else group.grad.data_ptr()
             for position, (param, offset) in enumerate(zip(group.params, group.offsets)):
                 grad_ptr = grad_base + offset * size if position < group.n_trainable else None
-                slots[param] = _Slot(group_index, position, offset, group.shapes[position], group.strides[position],
-                                     base + offset * size, grad_ptr)
+                slots[param] = _Slot(
+                    group_index,
+                    position,
+                    offset,
+                    group.shapes[position],
+                    group.strides[position],
+                    base + offset * size,
+                    grad_ptr,
+                )
         self._slots = slots
         self._homes = {id(param): (view, slots[param]) for param, view in self._grad_views.items()}
         self._watched = list(self._registered) + list(self._grad_views.values())
@@ -529,12 +545,12 @@ class FlatParams:
             return None
         view, slot = home
         strides = slot.strides
-        if param.data_ptr() != slot.ptr or param.stride() != strides:
-            # Storage replaced since coalescing: an incompatible change raises here, before its
-            # gradient (of another dtype, say) is copied anywhere; a compatible one is re-homed
-            # by the next check_storage (not in the middle of backward).
-            if self._problem(param, slot) is not None:
-                raise RuntimeError(self._message(self._problems()))
+        # Storage replaced since coalescing: an incompatible change raises here, before its gradient (of
+        # another dtype, say) is copied anywhere; a compatible one is re-homed by the next check_storage
+        # (not in the middle of backward).
+        moved = param.data_ptr() != slot.ptr or param.stride() != strides
+        if moved and self._problem(param, slot) is not None:
+            raise RuntimeError(self._message(self._problems()))
         if view.data_ptr() != slot.grad_ptr or view.stride() != strides:
             self._restore_grad_view(param, slot, view)  # what autograd accumulated into it goes home too
         grad = param.grad
@@ -606,8 +622,14 @@ class FlatParams:
                 continue
             group = self._groups[slot.group]
             if view.device != group.device or view.dtype != group.dtype or tuple(view.shape) != slot.shape:
-                problems.append(("grad", param, f"has a gradient whose storage was replaced by a "
-                                 f"{tuple(view.shape)} {view.dtype} tensor on {view.device}"))
+                problems.append(
+                    (
+                        "grad",
+                        param,
+                        f"has a gradient whose storage was replaced by a "
+                        f"{tuple(view.shape)} {view.dtype} tensor on {view.device}",
+                    )
+                )
         return problems
 
     def _problem(self, param: torch.nn.Parameter, slot: _Slot) -> tuple[str, torch.nn.Parameter, str] | None:
@@ -724,8 +746,14 @@ class FlatParams:
         if slot is None:
             raise KeyError("this parameter is not coalesced in this FlatParams")
         group = self._groups[slot.group]
-        return ParamRange(slot.group, slot.offset, slot.offset + param.numel(), slot.shape, slot.strides,
-                          slot.position < group.n_trainable)
+        return ParamRange(
+            slot.group,
+            slot.offset,
+            slot.offset + param.numel(),
+            slot.shape,
+            slot.strides,
+            slot.position < group.n_trainable,
+        )
 
     def ranges(self) -> list[ParamRange]:
         """Every parameter's range, buffer by buffer in buffer order (trainable ones first in each)."""
@@ -916,7 +944,8 @@ class FlatParams:
         nbytes = sum(p.numel() * p.element_size() for p in params)
         return (
             f"{_plural(len(params), 'parameter')} ({_count(elements)} element{'' if elements == 1 else 's'}, "
-            f"{_size(nbytes)}) coalesced into {_plural(len(self._groups), 'buffer')}, {_plural(len(self.buckets), 'bucket')}"
+            f"{_size(nbytes)}) coalesced into {_plural(len(self._groups), 'buffer')}, "
+            f"{_plural(len(self.buckets), 'bucket')}"
         )
 
     def __repr__(self) -> str:
@@ -946,8 +975,14 @@ class FlatParams:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         names = {copy_: self._names[p] for p, copy_ in zip(self._registered, params) if p in self._names}
-        new._setup(_unique_params(params)[0], names, self.bucket_mb, self.max_params_per_bucket, self.align_bytes,
-                   self._shard_multiple)
+        new._setup(
+            _unique_params(params)[0],
+            names,
+            self.bucket_mb,
+            self.max_params_per_bucket,
+            self.align_bytes,
+            self._shard_multiple,
+        )
         new.layout_version = self.layout_version + 1
         return new
 
@@ -965,8 +1000,14 @@ class FlatParams:
         """Unpickling coalesces the loaded parameters again, into new buffers."""
         names = {p: name for name, p in state["params"] if name is not None}
         params = _unique_params([p for _, p in state["params"]])[0]
-        self._setup(params, names, state["bucket_mb"], state["max_params_per_bucket"], state["align_bytes"],
-                    state.get("shard_multiple", 1))
+        self._setup(
+            params,
+            names,
+            state["bucket_mb"],
+            state["max_params_per_bucket"],
+            state["align_bytes"],
+            state.get("shard_multiple", 1),
+        )
         self.layout_version = state["layout_version"] + 1
 
 
@@ -1106,13 +1147,24 @@ def _check_world_size(world_size: int | None) -> None:
 
 
 def _check_options(bucket_mb: float | None, max_params_per_bucket: int | None, align_bytes: int) -> None:
-    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0):
+    if bucket_mb is not None and (
+        isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0
+    ):
         raise ValueError(f"FlatParams: bucket_mb must be a positive number or None, got {bucket_mb!r}")
     if max_params_per_bucket is not None and (
-        isinstance(max_params_per_bucket, bool) or not isinstance(max_params_per_bucket, int) or max_params_per_bucket < 1
+        isinstance(max_params_per_bucket, bool)
+        or not isinstance(max_params_per_bucket, int)
+        or max_params_per_bucket < 1
     ):
-        raise ValueError(f"FlatParams: max_params_per_bucket must be a positive int or None, got {max_params_per_bucket!r}")
-    if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1 or align_bytes & (align_bytes - 1):
+        raise ValueError(
+            f"FlatParams: max_params_per_bucket must be a positive int or None, got {max_params_per_bucket!r}"
+        )
+    if (
+        isinstance(align_bytes, bool)
+        or not isinstance(align_bytes, int)
+        or align_bytes < 1
+        or align_bytes & (align_bytes - 1)
+    ):
         raise ValueError(f"FlatParams: align_bytes must be a power of two, got {align_bytes!r}")
 
 
@@ -1192,7 +1244,9 @@ def _own_storage_alias(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(piece, 0, tensor.shape, tensor.stride())
 
 
-def _compact_state_dict_hook(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _compact_state_dict_hook(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     for name, param in module._parameters.items():
         if param is None:
             continue

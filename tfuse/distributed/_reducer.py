@@ -224,7 +224,9 @@ class GradientReducer:
 
     def _raise_missing(self, missing: Sequence[torch.nn.Parameter]) -> None:
         names = [repr(self._names[p]) for p in missing]
-        shown = ", ".join(names[:_MAX_NAMES]) + (f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else "")
+        shown = ", ".join(names[:_MAX_NAMES]) + (
+            f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
+        )
         raise RuntimeError(
             f"FusedDataParallel: {len(missing)} parameter{'' if len(missing) == 1 else 's'} received no gradient in "
             f"this backward pass: {shown}. "
@@ -241,7 +243,7 @@ class GradReceiver:
     FlatParams' default behaviour: the gradient is brought home undivided.
     """
 
-    __slots__ = ("reducer", "flat")
+    __slots__ = ("flat", "reducer")
 
     def __init__(self, reducer: GradientReducer, flat: FlatParams) -> None:
         self.reducer = weakref.ref(reducer)

@@ -36,7 +36,8 @@ def describe_replica(
             entries.append(
                 (
                     f"parameter {names[param]!r}",
-                    f"shape {tuple(param.shape)}, strides {_canonical_strides(group.shapes[position], group.strides[position])}, "
+                    f"shape {tuple(param.shape)}, "
+                    f"strides {_canonical_strides(group.shapes[position], group.strides[position])}, "
                     f"{_dtype(param.dtype)}, {trainable}, "
                     f"buffer {buffer_index} offset {offset}",
                 )
@@ -45,7 +46,9 @@ def describe_replica(
         entries.append((f"flat buffer {buffer_index}", f"{_dtype(group.dtype)}, {group.data.numel()} elements"))
     for index, bucket in enumerate(flat.buckets):
         members = ", ".join(names[p] for p in bucket.params)
-        entries.append((f"bucket {index}", f"buffer {bucket.buffer_index} elements [{bucket.start}, {bucket.end}): {members}"))
+        entries.append(
+            (f"bucket {index}", f"buffer {bucket.buffer_index} elements [{bucket.start}, {bucket.end}): {members}")
+        )
     for name, buffer in module.named_buffers():
         entries.append((f"module buffer {name!r}", f"shape {tuple(buffer.shape)}, {_dtype(buffer.dtype)}"))
     return entries
@@ -69,8 +72,9 @@ def check_replicas_match(entries: list[Entry], group: dist.ProcessGroup | None, 
     first = differing[0]
     other = [tuple(entry) for entry in json.loads(descriptions[first])]
     raise RuntimeError(
-        f"FusedDataParallel: the model on rank {first} differs from rank 0's: {_first_difference(reference, other, first)}"
-        f" (ranks that differ from rank 0: {differing}). Every rank must build the same model and pass the same options."
+        f"FusedDataParallel: the model on rank {first} differs from rank 0's: "
+        f"{_first_difference(reference, other, first)} (ranks that differ from rank 0: {differing}). "
+        "Every rank must build the same model and pass the same options."
     )
 
 

@@ -119,8 +119,16 @@ class FusedDataParallel(torch.nn.Module):
         find_unused_parameters: bool = False,
     ) -> None:
         super().__init__()
-        _check_arguments(module, bucket_mb, max_params_per_bucket, process_group, gradient_merge_steps,
-                         gradient_merge_avg, broadcast_buffers, find_unused_parameters)
+        _check_arguments(
+            module,
+            bucket_mb,
+            max_params_per_bucket,
+            process_group,
+            gradient_merge_steps,
+            gradient_merge_avg,
+            broadcast_buffers,
+            find_unused_parameters,
+        )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "FusedDataParallel: torch.distributed is not initialized; call torch.distributed.init_process_group "
@@ -164,8 +172,9 @@ class FusedDataParallel(torch.nn.Module):
         previous = flat.grad_receiver
         if isinstance(previous, GradReceiver) and previous.reducer() is not None:
             previous.reducer().remove_hooks()
-        self._reducer = GradientReducer(flat, names, process_group, self.gradient_merge_steps, self.gradient_merge_avg,
-                                        self.find_unused_parameters)
+        self._reducer = GradientReducer(
+            flat, names, process_group, self.gradient_merge_steps, self.gradient_merge_avg, self.find_unused_parameters
+        )
         register_compact_state_dict(module)
         self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
         self.num_allreduce_calls = len(flat.buckets)
@@ -236,7 +245,7 @@ class FusedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ training
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Runs the wrapped module; with gradients enabled, first checks the parameters and broadcasts buffers from rank 0.
+        """Runs the wrapped module; with gradients on, first checks the parameters and broadcasts rank 0's buffers.
 
         The check (before any collective): parameters whose storage was
         replaced are taken back into the flat buffers, or a clear error is
@@ -283,7 +292,9 @@ class FusedDataParallel(torch.nn.Module):
     def _check_requires_grad(self) -> None:
         if all(p.requires_grad == before for p, before in zip(self._params, self._requires_grad)):
             return
-        changed = [self._param_names[i] for i, p in enumerate(self._params) if p.requires_grad != self._requires_grad[i]]
+        changed = [
+            self._param_names[i] for i, p in enumerate(self._params) if p.requires_grad != self._requires_grad[i]
+        ]
         raise RuntimeError(
             f"FusedDataParallel: requires_grad changed after wrapping for {', '.join(repr(n) for n in changed[:10])}"
             f"{' and more' if len(changed) > 10 else ''}; the flat gradient layout is fixed at wrapping, so wrap "
@@ -311,13 +322,23 @@ def _uses_default_group(group: Any) -> bool:
         return False
 
 
-def _check_arguments(module: Any, bucket_mb: Any, max_params: Any, process_group: Any, merge_steps: Any, merge_avg: Any,
-                     broadcast_buffers: Any, find_unused: Any) -> None:
+def _check_arguments(
+    module: Any,
+    bucket_mb: Any,
+    max_params: Any,
+    process_group: Any,
+    merge_steps: Any,
+    merge_avg: Any,
+    broadcast_buffers: Any,
+    find_unused: Any,
+) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"FusedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, FusedDataParallel):
         raise TypeError("FusedDataParallel: the module is already a FusedDataParallel; wrap its .module instead")
-    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0):
+    if bucket_mb is not None and (
+        isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0
+    ):
         raise ValueError(f"FusedDataParallel: bucket_mb must be a positive number or None, got {bucket_mb!r}")
     if max_params is not None and (isinstance(max_params, bool) or not isinstance(max_params, int) or max_params < 1):
         raise ValueError(f"FusedDataParallel: max_params_per_bucket must be a positive int or None, got {max_params!r}")
@@ -328,7 +349,11 @@ def _check_arguments(module: Any, bucket_mb: Any, max_params: Any, process_group
         )
     if isinstance(merge_steps, bool) or not isinstance(merge_steps, int) or merge_steps < 1:
         raise ValueError(f"FusedDataParallel: gradient_merge_steps must be a positive int, got {merge_steps!r}")
-    for name, value in (("gradient_merge_avg", merge_avg), ("broadcast_buffers", broadcast_buffers), ("find_unused_parameters", find_unused)):
+    for name, value in (
+        ("gradient_merge_avg", merge_avg),
+        ("broadcast_buffers", broadcast_buffers),
+        ("find_unused_parameters", find_unused),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"FusedDataParallel: {name} must be a bool, got {value!r}")
 
@@ -343,7 +368,9 @@ def _parameter_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
 
 def _single_device(params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str]) -> torch.device:
     if not any(p.requires_grad for p in params):
-        raise ValueError("FusedDataParallel: the module has no parameter that requires a gradient; nothing to synchronize")
+        raise ValueError(
+            "FusedDataParallel: the module has no parameter that requires a gradient; nothing to synchronize"
+        )
     devices = {p.device for p in params}
     if len(devices) > 1:
         listing = ", ".join(f"{names[p]!r} on {p.device}" for p in params[:6])
@@ -361,7 +388,10 @@ def _single_device(params: list[torch.nn.Parameter], names: dict[torch.nn.Parame
 
 
 def _flat_params_for(
-    params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str], bucket_mb: float | None, max_params: int | None
+    params: list[torch.nn.Parameter],
+    names: dict[torch.nn.Parameter, str],
+    bucket_mb: float | None,
+    max_params: int | None,
 ) -> FlatParams:
     """A new FlatParams for ``params``, or the existing one that holds exactly them (re-bucketed)."""
     owners = {flat_params_of(p) for p in params}
@@ -376,6 +406,7 @@ def _flat_params_for(
             "model first and create the optimizer from the wrapped model's parameters"
         )
     owner.set_names(names)
-    owner.sync_grads()  # takes back replaced storage (or raises); re-lays out if requires_grad changed since it was built
+    # Takes back replaced storage (or raises); lays out again if requires_grad changed since it was built.
+    owner.sync_grads()
     owner.set_buckets(bucket_mb, max_params)
     return owner

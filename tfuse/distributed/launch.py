@@ -65,8 +65,14 @@ def init_process_group_from_env(backend: str | None = None, timeout: datetime.ti
     dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     rank = dist.get_rank()
     # Like FusedDataParallel's own lines: INFO from rank 0, DEBUG from the others (which say the same).
-    logger.log(logging.INFO if rank == 0 else logging.DEBUG, "rank %d of %d joined the %s process group on %s", rank,
-               dist.get_world_size(), backend, device)
+    logger.log(
+        logging.INFO if rank == 0 else logging.DEBUG,
+        "rank %d of %d joined the %s process group on %s",
+        rank,
+        dist.get_world_size(),
+        backend,
+        device,
+    )
     return device
 
 
@@ -80,7 +86,8 @@ def _default_backend() -> str:
         logger.warning(
             "init_process_group_from_env: %s on this node but %s visible; using gloo on the CPU "
             "(start at most one process per GPU to use NCCL, or pass backend='gloo' to silence this)",
-            f"{local_world} process{'' if local_world == 1 else 'es'}", _gpus(gpus),
+            f"{local_world} process{'' if local_world == 1 else 'es'}",
+            _gpus(gpus),
         )
         return "gloo"
     return "nccl"

@@ -131,7 +131,9 @@ class FusedBiasAct(nn.Module):
             True
         """
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
-            raise ValueError(f"FusedBiasAct.from_bias: bias must be a 1-D tensor, got {getattr(bias, 'shape', type(bias).__name__)}")
+            raise ValueError(
+                f"FusedBiasAct.from_bias: bias must be a 1-D tensor, got {getattr(bias, 'shape', type(bias).__name__)}"
+            )
         module = cls(bias.numel(), act=act, dim=dim, negative_slope=negative_slope, device="meta", dtype=bias.dtype)
         module.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias)
         return module

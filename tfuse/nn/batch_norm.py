@@ -18,7 +18,8 @@ from torch import nn
 from tfuse import functional as F
 from tfuse.nn._common import act_kwargs, act_repr, fx_leaf_call, resolve_activation, torch_activation
 
-#: Whether this torch's BatchNorm takes ``bias=`` (2.13 does; older versions may not); tfuse's layers take it either way.
+#: Whether this torch's BatchNorm takes ``bias=`` (2.13 does; older versions may not);
+#: tfuse's layers take it either way.
 _TORCH_BATCHNORM_HAS_BIAS = "bias" in inspect.signature(nn.modules.batchnorm._NormBase.__init__).parameters
 
 
@@ -28,8 +29,10 @@ class _FusedBatchNormActMixin:
     act: str
     negative_slope: float | None
 
-    def _init_fused(self, base_args: tuple, base_kwargs: dict, bias: bool, act: str, negative_slope: float | None) -> None:
-        """``base.__init__(*base_args, **base_kwargs)``, then ``bias=False`` (where torch lacks it) and the activation."""
+    def _init_fused(
+        self, base_args: tuple, base_kwargs: dict, bias: bool, act: str, negative_slope: float | None
+    ) -> None:
+        """``base.__init__(*base_args, **base_kwargs)``, then ``bias=False`` (where torch lacks it), the activation."""
         act, negative_slope = resolve_activation(type(self).__name__, act, negative_slope)
         if _TORCH_BATCHNORM_HAS_BIAS:
             base_kwargs = dict(base_kwargs, bias=bias)
@@ -59,11 +62,11 @@ class _FusedBatchNormActMixin:
             factor = 0.0
         else:
             factor = self.momentum  # type: ignore[attr-defined]
-        if self.training and self.track_running_stats:  # type: ignore[attr-defined]
-            if self.num_batches_tracked is not None:  # type: ignore[attr-defined]
-                self.num_batches_tracked.add_(1)  # type: ignore[attr-defined]
-                if self.momentum is None:  # cumulative moving average
-                    factor = 1.0 / float(self.num_batches_tracked)  # type: ignore[attr-defined]
+        tracking = self.training and self.track_running_stats  # type: ignore[attr-defined]
+        if tracking and self.num_batches_tracked is not None:  # type: ignore[attr-defined]
+            self.num_batches_tracked.add_(1)  # type: ignore[attr-defined]
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)  # type: ignore[attr-defined]
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)  # type: ignore[attr-defined]
         tracked = not self.training or self.track_running_stats  # type: ignore[attr-defined]
         return F.batch_norm_act(
@@ -104,24 +107,35 @@ class _FusedBatchNormActMixin:
             >>> from tfuse.nn import FusedBatchNormAct2d
             >>> trained = torch.nn.BatchNorm2d(8)
             >>> FusedBatchNormAct2d.from_batchnorm(trained, act="relu")
-            FusedBatchNormAct2d(8, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True, act='relu')
+            FusedBatchNormAct2d(8, eps=1e-05, momentum=0.1, affine=True, bias=True,
+                                track_running_stats=True, act='relu')
         """
         return cls._converted(bn, act, negative_slope)
 
     @classmethod
-    def _converted(cls, bn: nn.modules.batchnorm._BatchNorm, act: str | None, negative_slope: float | None,
-                   **base_kwargs):
+    def _converted(
+        cls, bn: nn.modules.batchnorm._BatchNorm, act: str | None, negative_slope: float | None, **base_kwargs
+    ):
         """``cls`` built like ``bn`` (``act=None``: ``bn``'s own activation), holding ``bn``'s state."""
         if not isinstance(bn, nn.modules.batchnorm._BatchNorm):
             raise TypeError(f"{cls.__name__}.from_batchnorm expects a BatchNorm layer, got {type(bn).__name__}")
         if act is None:
             if negative_slope is not None:
-                raise ValueError(f"{cls.__name__}.from_batchnorm: negative_slope={negative_slope!r} needs act='leaky_relu'")
+                raise ValueError(
+                    f"{cls.__name__}.from_batchnorm: negative_slope={negative_slope!r} needs act='leaky_relu'"
+                )
             act, negative_slope = getattr(bn, "act", "identity"), getattr(bn, "negative_slope", None)
         module = cls(
-            bn.num_features, eps=bn.eps, momentum=bn.momentum, affine=bn.affine,
-            track_running_stats=bn.track_running_stats, device="meta", bias=bn.bias is not None or not bn.affine,
-            act=act, negative_slope=negative_slope, **base_kwargs,
+            bn.num_features,
+            eps=bn.eps,
+            momentum=bn.momentum,
+            affine=bn.affine,
+            track_running_stats=bn.track_running_stats,
+            device="meta",
+            bias=bn.bias is not None or not bn.affine,
+            act=act,
+            negative_slope=negative_slope,
+            **base_kwargs,
         )
         module._share_state_of(bn)
         return module
@@ -176,7 +190,8 @@ class FusedBatchNormAct2d(_FusedBatchNormActMixin, nn.BatchNorm2d):
         >>> bn_relu(x, residual=skip).shape  # relu(bn(x) + skip): a ResNet block's end
         torch.Size([4, 16, 8, 8])
         >>> FusedBatchNormAct2d(16, 1e-3, 0.01)  # nn.BatchNorm2d's positional order; no activation
-        FusedBatchNormAct2d(16, eps=0.001, momentum=0.01, affine=True, bias=True, track_running_stats=True, act='identity')
+        FusedBatchNormAct2d(16, eps=0.001, momentum=0.01, affine=True, bias=True,
+                            track_running_stats=True, act='identity')
     """
 
     def __init__(
@@ -194,8 +209,11 @@ class FusedBatchNormAct2d(_FusedBatchNormActMixin, nn.BatchNorm2d):
         negative_slope: float | None = None,
     ) -> None:
         self._init_fused(
-            (num_features, eps, momentum, affine, track_running_stats), {"device": device, "dtype": dtype},
-            bias, act, negative_slope,
+            (num_features, eps, momentum, affine, track_running_stats),
+            {"device": device, "dtype": dtype},
+            bias,
+            act,
+            negative_slope,
         )
 
 
@@ -241,8 +259,11 @@ class FusedBatchNormAct1d(_FusedBatchNormActMixin, nn.BatchNorm1d):
         negative_slope: float | None = None,
     ) -> None:
         self._init_fused(
-            (num_features, eps, momentum, affine, track_running_stats), {"device": device, "dtype": dtype},
-            bias, act, negative_slope,
+            (num_features, eps, momentum, affine, track_running_stats),
+            {"device": device, "dtype": dtype},
+            bias,
+            act,
+            negative_slope,
         )
 
 
@@ -296,7 +317,10 @@ class FusedSyncBatchNormAct(_FusedBatchNormActMixin, nn.SyncBatchNorm):
     ) -> None:
         self._init_fused(
             (num_features, eps, momentum, affine, track_running_stats, process_group),
-            {"device": device, "dtype": dtype}, bias, act, negative_slope,
+            {"device": device, "dtype": dtype},
+            bias,
+            act,
+            negative_slope,
         )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,11 +333,13 @@ class FusedSyncBatchNormAct(_FusedBatchNormActMixin, nn.SyncBatchNorm):
         if residual is not None:  # the checks batch_norm_act makes on the fused path
             if not isinstance(residual, torch.Tensor):
                 raise TypeError(
-                    f"tfuse.FusedSyncBatchNormAct: residual must be a torch.Tensor or None, got {type(residual).__name__}"
+                    "tfuse.FusedSyncBatchNormAct: residual must be a torch.Tensor or None, "
+                    f"got {type(residual).__name__}"
                 )
             if residual.shape != x.shape:
                 raise ValueError(
-                    f"tfuse.FusedSyncBatchNormAct: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}"
+                    f"tfuse.FusedSyncBatchNormAct: residual must have x's shape {list(x.shape)}, "
+                    f"got {list(residual.shape)}"
                 )
         y = nn.SyncBatchNorm.forward(self, x)
         if residual is not None:
@@ -328,7 +354,11 @@ class FusedSyncBatchNormAct(_FusedBatchNormActMixin, nn.SyncBatchNorm):
 
     @classmethod
     def from_batchnorm(
-        cls, bn: nn.modules.batchnorm._BatchNorm, *, act: str | None = None, negative_slope: float | None = None,
+        cls,
+        bn: nn.modules.batchnorm._BatchNorm,
+        *,
+        act: str | None = None,
+        negative_slope: float | None = None,
         process_group: object | None = None,
     ) -> FusedSyncBatchNormAct:
         """A FusedSyncBatchNormAct sharing ``bn``'s parameters and running statistics (not copies).

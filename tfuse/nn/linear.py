@@ -69,7 +69,9 @@ class FusedLinear(nn.Linear):
         self.negative_slope = negative_slope
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, act: str | None = None, negative_slope: float | None = None) -> FusedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, *, act: str | None = None, negative_slope: float | None = None
+    ) -> FusedLinear:
         """A FusedLinear sharing ``linear``'s parameters (not copies: an optimizer keeps training them).
 
         The converter never adds an activation you did not name: without
@@ -91,8 +93,12 @@ class FusedLinear(nn.Linear):
                 raise ValueError(f"FusedLinear.from_linear: negative_slope={negative_slope!r} needs act='leaky_relu'")
             act, negative_slope = getattr(linear, "act", "identity"), getattr(linear, "negative_slope", None)
         module = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-            act=act, negative_slope=negative_slope,
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            device="meta",
+            act=act,
+            negative_slope=negative_slope,
         )
         module.weight = linear.weight
         module.bias = linear.bias

@@ -28,9 +28,7 @@ def check_tensor_args(op: str, args: Sequence[object], min_count: int, max_count
         raise TypeError(f"tfuse.{op} takes {min_count} to {max_count} tensors, got {len(args)}")
     for index, arg in enumerate(args):
         if not isinstance(arg, torch.Tensor):
-            raise TypeError(
-                f"tfuse.{op}: argument {index} must be a torch.Tensor, got {type(arg).__name__}"
-            )
+            raise TypeError(f"tfuse.{op}: argument {index} must be a torch.Tensor, got {type(arg).__name__}")
         if arg.layout != torch.strided:
             raise TypeError(
                 f"tfuse.{op}: argument {index} has layout {arg.layout}; only dense (strided) tensors are supported"
@@ -57,9 +55,7 @@ def is_cpu_scalar(tensor: torch.Tensor) -> bool:
 def check_float_dtype(op: str, what: str, dtype: torch.dtype) -> None:
     """Raises TypeError unless ``dtype`` is one of SUPPORTED_DTYPES."""
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"tfuse.{op}: {what} has dtype {dtype}; supported dtypes are {_DTYPE_NAMES}"
-        )
+        raise TypeError(f"tfuse.{op}: {what} has dtype {dtype}; supported dtypes are {_DTYPE_NAMES}")
 
 
 def broadcast_shape(op: str, shapes: Sequence[Sequence[int]]) -> torch.Size:

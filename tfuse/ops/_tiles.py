@@ -214,7 +214,7 @@ def _plan(
     modes = []
     in_strides = []
     for strides in merged[1:]:
-        if strides == out_strides or len(sizes) == 1 and sizes[0] == 1:
+        if strides == out_strides or (len(sizes) == 1 and sizes[0] == 1):
             modes.append(LINEAR)
         elif all(s == 0 for s in strides):
             modes.append(SCALAR)
@@ -243,8 +243,7 @@ def _plan(
     # Padded rows and columns only ever step further along the largest stride.
     largest_input = max(
         (
-            sum((size - 1) * s for size, s in zip(sizes, strides))
-            + (block_rows + block_cols) * max(strides)
+            sum((size - 1) * s for size, s in zip(sizes, strides)) + (block_rows + block_cols) * max(strides)
             for strides in merged[1:]
         ),
         default=0,
@@ -266,9 +265,7 @@ def _plan(
     )
 
 
-def empty_broadcast_output(
-    inputs: Sequence[torch.Tensor], shape: torch.Size, dtype: torch.dtype
-) -> torch.Tensor:
+def empty_broadcast_output(inputs: Sequence[torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Allocates the output of a broadcast elementwise op, in the inputs' layout.
 
     Like torch, the output follows the memory layout of the first input that
@@ -281,7 +278,9 @@ def empty_broadcast_output(
     return torch.empty(shape, dtype=dtype, device=inputs[0].device)
 
 
-def reduced_grad_strides(input_shape: Sequence[int], out_shape: Sequence[int], out_strides: Sequence[int]) -> tuple[int, ...]:
+def reduced_grad_strides(
+    input_shape: Sequence[int], out_shape: Sequence[int], out_strides: Sequence[int]
+) -> tuple[int, ...]:
     """Dense strides for the gradient of an input broadcast to ``out_shape``.
 
     The gradient's dimensions are laid out in the output's memory order, so

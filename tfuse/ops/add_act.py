@@ -129,7 +129,11 @@ def add_act(
         tensors = tuple(t.to(device) if is_cpu_scalar(t) else t for t in tensors)
     shape = broadcast_shape("add_act", [t.shape for t in tensors])
     if shape != x.shape:
-        culprit = next(i for i, t in enumerate(tensors) if len(t.shape) > x.dim() or broadcast_shape("add_act", [x.shape, t.shape]) != x.shape)
+        culprit = next(
+            i
+            for i, t in enumerate(tensors)
+            if len(t.shape) > x.dim() or broadcast_shape("add_act", [x.shape, t.shape]) != x.shape
+        )
         raise RuntimeError(
             f"tfuse.add_act: argument {culprit} of shape {list(tensors[culprit].shape)} does not broadcast "
             f"to x's shape {list(x.shape)} (the output has x's shape)"
@@ -210,10 +214,22 @@ def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _
     launch(
         kernels._add_act_fwd_kernel,
         plan.grid,
-        (out, tuple(tensors), plan.in_strides, plan.outer_sizes, plan.col_divs, plan.n_rows, plan.n_cols,
-         spec.negative_slope),
-        dict(N_INPUTS=len(tensors), ACT=spec.act.code, MATH=math_mode(out.dtype, interpreter_active()),
-             **tile_meta(plan, out)),
+        (
+            out,
+            tuple(tensors),
+            plan.in_strides,
+            plan.outer_sizes,
+            plan.col_divs,
+            plan.n_rows,
+            plan.n_cols,
+            spec.negative_slope,
+        ),
+        dict(
+            N_INPUTS=len(tensors),
+            ACT=spec.act.code,
+            MATH=math_mode(out.dtype, interpreter_active()),
+            **tile_meta(plan, out),
+        ),
         out.device,
     )
     return out
@@ -302,7 +318,10 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
     out_shape, out_strides = ctx.out_layout
     device = grad_out.device
     if math.prod(out_shape) == 0:
-        return [torch.zeros(shape, dtype=dtype, device=device) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)]
+        return [
+            torch.zeros(shape, dtype=dtype, device=device) if need else None
+            for (shape, dtype), need in zip(ctx.input_meta, needed)
+        ]
 
     sources = () if ctx.grad_source is GradSource.NONE else tuple(saved)
     bwd = _backward_plan(

@@ -72,7 +72,7 @@ def batch_norm_act(
     negative_slope: float | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``act(batch_norm(x) + residual)``: ``torch.nn.functional.batch_norm`` fused with a residual add and an activation.
+    """``act(batch_norm(x) + residual)``: ``F.batch_norm`` fused with a residual add and an activation.
 
     Arguments as for ``F.batch_norm`` (``x`` of shape ``[N, C, ...]``;
     statistics over every dimension but 1, in float32 with Welford/Chan
@@ -116,15 +116,18 @@ def batch_norm_act(
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             hint = ""
             if name == "momentum" and value is None:
-                hint = (" (momentum=None, a cumulative moving average, is the modules' option: "
-                        "they pass 1 / num_batches_tracked)")
+                hint = (
+                    " (momentum=None, a cumulative moving average, is the modules' option: "
+                    "they pass 1 / num_batches_tracked)"
+                )
             raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}{hint}")
     channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training, float(eps))
     backend = select_backend(x.device, "batch_norm_act")
     log_backend_once(_log, "batch_norm_act", backend, x.device)
     if backend is Backend.TORCH:
-        return _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, momentum, eps, act,
-                                     negative_slope, residual)
+        return _batch_norm_act_torch(
+            x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual
+        )
     if weight is None and bias is not None:
         weight = torch.ones_like(bias)  # torch normalises with weight 1 when only a bias is given
     elif bias is None and weight is not None:
@@ -134,18 +137,21 @@ def batch_norm_act(
     if running_mean is not None and not (running_mean.is_contiguous() and running_var.is_contiguous()):
         # The kernels index them densely and update them in place: run on dense copies, then write them back.
         dense_mean, dense_var = running_mean.contiguous(), running_var.contiguous()
-        y = _batch_norm_act_triton(x, dense_mean, dense_var, weight, bias, training, momentum, eps, act,
-                                   negative_slope, residual, channels)
+        y = _batch_norm_act_triton(
+            x, dense_mean, dense_var, weight, bias, training, momentum, eps, act, negative_slope, residual, channels
+        )
         if training:
             running_mean.copy_(dense_mean)
             running_var.copy_(dense_var)
         return y
-    return _batch_norm_act_triton(x, running_mean, running_var, weight, bias, training, momentum, eps, act,
-                                  negative_slope, residual, channels)
+    return _batch_norm_act_triton(
+        x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual, channels
+    )
 
 
-def _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope,
-                          residual) -> torch.Tensor:
+def _batch_norm_act_torch(
+    x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual
+) -> torch.Tensor:
     """The PyTorch path: F.batch_norm, the residual add and the activation (in place on a fresh tensor)."""
     stats = (running_mean, running_var)
     if x.dtype == torch.float64 and any(t is not None and t.dtype == torch.float32 for t in (*stats, weight, bias)):
@@ -161,15 +167,23 @@ def _batch_norm_act_torch(x, running_mean, running_var, weight, bias, training, 
     return act.forward_(y, negative_slope)  # y is a fresh tensor: in place is safe
 
 
-def _batch_norm_act_triton(x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope,
-                           residual, channels) -> torch.Tensor:
+def _batch_norm_act_triton(
+    x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual, channels
+) -> torch.Tensor:
     """The Triton path of :func:`batch_norm_act` (arguments checked; per-channel tensors dense)."""
     if _layout(x) is None:
         x = x.contiguous()  # the output and gradients take x's layout, so it must be one the kernels read
     if residual is not None:
         residual = _in_layout_of(residual, x)
-    spec = _spec(act, negative_slope, float(eps), float(momentum), bool(training),
-                 bool(training) and running_mean is not None, channels)
+    spec = _spec(
+        act,
+        negative_slope,
+        float(eps),
+        float(momentum),
+        bool(training),
+        bool(training) and running_mean is not None,
+        channels,
+    )
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _BatchNormActFunction.apply(spec, x, weight, bias, residual, running_mean, running_var)
@@ -185,7 +199,9 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
         raise TypeError(f"tfuse.batch_norm_act: x must be a torch.Tensor, got {type(x).__name__}")
     check_float_dtype("batch_norm_act", "x", x.dtype)
     if x.dim() < 2:
-        raise ValueError(f"tfuse.batch_norm_act: x must have at least 2 dimensions [N, C, ...], got shape {list(x.shape)}")
+        raise ValueError(
+            f"tfuse.batch_norm_act: x must have at least 2 dimensions [N, C, ...], got shape {list(x.shape)}"
+        )
     channels = x.shape[1]
     given = []
     for name, tensor in zip(_PER_CHANNEL, (running_mean, running_var, weight, bias)):
@@ -236,10 +252,14 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
         )
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"tfuse.batch_norm_act: residual must be a torch.Tensor or None, got {type(residual).__name__}")
+            raise TypeError(
+                f"tfuse.batch_norm_act: residual must be a torch.Tensor or None, got {type(residual).__name__}"
+            )
         check_float_dtype("batch_norm_act", "residual", residual.dtype)
         if residual.shape != x.shape:
-            raise ValueError(f"tfuse.batch_norm_act: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+            raise ValueError(
+                f"tfuse.batch_norm_act: residual must have x's shape {list(x.shape)}, got {list(residual.shape)}"
+            )
         if residual.device != x.device:
             raise RuntimeError(f"tfuse.batch_norm_act: residual is on {residual.device} but x is on {x.device}")
     if training:
@@ -257,8 +277,9 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
 # Layouts the kernels read in place (see kernels/batch_norm.py).
 _NCS = 0  # [N, C, S] contiguous: a row is one sample of C * S values
 _NSC = 1  # channels innermost (channels_last, [N, C]): a row is one position of C values
-_SEG_LANE, _SEG_ONE, _SEG_PACKED = (s.value for s in (kernels.batch_norm.SEG_LANE, kernels.batch_norm.SEG_ONE,
-                                                       kernels.batch_norm.SEG_PACKED))
+_SEG_LANE, _SEG_ONE, _SEG_PACKED = (
+    s.value for s in (kernels.batch_norm.SEG_LANE, kernels.batch_norm.SEG_ONE, kernels.batch_norm.SEG_PACKED)
+)
 
 
 def _layout(t: torch.Tensor) -> int | None:
@@ -279,7 +300,7 @@ def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
         return True
 
     ncs = dense(list(range(len(shape))))
-    nsc = dense([0] + list(range(2, len(shape))) + [1])
+    nsc = dense([0, *range(2, len(shape)), 1])
     if ncs and nsc:  # S == 1 or C == 1: either reads the same memory; channels along columns when S == 1
         return _NSC if spatial == 1 and channels > 1 else _NCS
     return _NCS if ncs else _NSC if nsc else None
@@ -345,13 +366,26 @@ class _Geometry:
     def reduce_meta(self) -> dict:
         s_pad = next_power_of_2(self.ss) if self.seg == _SEG_PACKED else 1
         parts = max(1, 2 * self.cb_pad * s_pad // self.red_bl)  # gathered tiles of at most BL / 2 elements
-        return dict(SEG=self.seg, BN=self.red_bn, BL=self.red_bl, VEC=self.red_vec, PARTS=parts,
-                    CB_PART=max(1, self.cb_pad // parts), S_PAD=s_pad, INDEX_64=self.index_64,
-                    num_warps=num_warps(self.red_bn * self.red_bl, ELEMENTS_PER_THREAD))
+        return dict(
+            SEG=self.seg,
+            BN=self.red_bn,
+            BL=self.red_bl,
+            VEC=self.red_vec,
+            PARTS=parts,
+            CB_PART=max(1, self.cb_pad // parts),
+            S_PAD=s_pad,
+            INDEX_64=self.index_64,
+            num_warps=num_warps(self.red_bn * self.red_bl, ELEMENTS_PER_THREAD),
+        )
 
     def elementwise_meta(self) -> dict:
-        return dict(BN=self.ew_bn, BL=self.ew_bl, VEC=self.ew_vec, INDEX_64=self.index_64,
-                    num_warps=num_warps(self.ew_bn * self.ew_bl, ELEMENTS_PER_THREAD))
+        return dict(
+            BN=self.ew_bn,
+            BL=self.ew_bl,
+            VEC=self.ew_vec,
+            INDEX_64=self.index_64,
+            num_warps=num_warps(self.ew_bn * self.ew_bl, ELEMENTS_PER_THREAD),
+        )
 
     def chunks(self, resident: int) -> tuple[int, int]:
         """(chunks, rows per chunk) of a reduction with ``resident`` programs on the device at once."""
@@ -451,10 +485,22 @@ def _geometry(shape: tuple[int, ...], layout: int, itemsize: int, elementwise_ta
     padded_rows = n_rows + max(red_bn, ew_rows_per_chunk)
     largest = padded_rows * n_cols + max(red_bl, ew_bl)
     return _Geometry(
-        channels=channels, n_rows=n_rows, n_cols=n_cols, ss=ss, group_width=group_width,
-        groups=-(-n_cols // group_width), red_bn=red_bn, red_bl=red_bl, red_vec=red_vec, seg=seg,
-        cb_pad=cb_pad, ew_bn=ew_bn, ew_bl=ew_bl, ew_vec=min(row_vec, ew_bl),
-        ew_grid=(col_tiles, -(-n_rows // ew_rows_per_chunk)), ew_rows_per_chunk=ew_rows_per_chunk,
+        channels=channels,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        ss=ss,
+        group_width=group_width,
+        groups=-(-n_cols // group_width),
+        red_bn=red_bn,
+        red_bl=red_bl,
+        red_vec=red_vec,
+        seg=seg,
+        cb_pad=cb_pad,
+        ew_bn=ew_bn,
+        ew_bl=ew_bl,
+        ew_vec=min(row_vec, ew_bl),
+        ew_grid=(col_tiles, -(-n_rows // ew_rows_per_chunk)),
+        ew_rows_per_chunk=ew_rows_per_chunk,
         index_64=needs_int64(largest),
     )
 
@@ -531,11 +577,18 @@ def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, runni
     acc = acc_dtype(out_dtype)
     affine = weight is not None
     normalise = _Launch(
-        kernels._bn_act_fwd_kernel, geometry.ew_grid,
+        kernels._bn_act_fwd_kernel,
+        geometry.ew_grid,
         (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
-        dict(HAS_RESIDUAL=residual is not None, FROM_RUNNING=not spec.use_batch_stats, AFFINE=affine,
-             ACT=spec.act.code, EMULATE_BF16_RTNE=emulate_bf16_rtne(), ACC_FP64=acc_fp64(acc),
-             **geometry.elementwise_meta()),
+        dict(
+            HAS_RESIDUAL=residual is not None,
+            FROM_RUNNING=not spec.use_batch_stats,
+            AFFINE=affine,
+            ACT=spec.act.code,
+            EMULATE_BF16_RTNE=emulate_bf16_rtne(),
+            ACC_FP64=acc_fp64(acc),
+            **geometry.elementwise_meta(),
+        ),
     )
     if not spec.use_batch_stats:
         return _ForwardPlan(geometry, acc, 0, None, None, normalise)
@@ -543,19 +596,30 @@ def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, runni
     placeholder = torch.empty(16, dtype=acc, device=x.device)
     resident = _resident(
         kernels._bn_stats_partial_kernel,
-        (x, placeholder, geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1), stats_meta, x.device,
+        (x, placeholder, geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1),
+        stats_meta,
+        x.device,
     )
     chunks, rows_per_chunk = geometry.chunks(resident)
     block_k, block_c = _final_blocks(geometry.channels, chunks)
     stats = _Launch(
-        kernels._bn_stats_partial_kernel, (geometry.groups, chunks),
-        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk), stats_meta,
+        kernels._bn_stats_partial_kernel,
+        (geometry.groups, chunks),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk),
+        stats_meta,
     )
     final = _Launch(
-        kernels._bn_stats_final_kernel, (-(-geometry.channels // block_c),),
+        kernels._bn_stats_final_kernel,
+        (-(-geometry.channels // block_c),),
         (geometry.channels, chunks, rows_per_chunk, geometry.n_rows, geometry.ss),
-        dict(UPDATE_RUNNING=spec.update_running, AFFINE=affine, BLOCK_K=block_k, BLOCK_C=block_c,
-             ACC_FP64=acc_fp64(acc), num_warps=NUM_WARPS),
+        dict(
+            UPDATE_RUNNING=spec.update_running,
+            AFFINE=affine,
+            BLOCK_K=block_k,
+            BLOCK_C=block_c,
+            ACC_FP64=acc_fp64(acc),
+            num_warps=NUM_WARPS,
+        ),
     )
     buf_size = (4 + 2 * chunks) * geometry.channels
     return _ForwardPlan(geometry, acc, buf_size, stats, final, normalise)
@@ -564,9 +628,17 @@ def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, runni
 def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var) -> _ForwardPlan:
     """The cached plan for these shapes, strides, dtypes and flags (everything a kernel specialises on)."""
     device = x.device
-    key = (x.shape, x.stride(), x.dtype, device, target_programs(device), spec,
-           residual is not None and residual.dtype, weight is not None and (weight.dtype, bias.dtype),
-           running_mean is not None and (running_mean.dtype, running_var.dtype))
+    key = (
+        x.shape,
+        x.stride(),
+        x.dtype,
+        device,
+        target_programs(device),
+        spec,
+        residual is not None and residual.dtype,
+        weight is not None and (weight.dtype, bias.dtype),
+        running_mean is not None and (running_mean.dtype, running_var.dtype),
+    )
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= MAX_PLANS:  # many shapes (varying batch or image sizes): start over
@@ -589,16 +661,33 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
         plan.stats((x, buf, *plan.stats.ints), device)
         update = spec.update_running
         plan.final(
-            (buf, running_mean if update else buf, running_var if update else buf,
-             weight if weight is not None else buf, bias if bias is not None else buf,
-             *plan.final.ints, spec.eps, spec.momentum),
+            (
+                buf,
+                running_mean if update else buf,
+                running_var if update else buf,
+                weight if weight is not None else buf,
+                bias if bias is not None else buf,
+                *plan.final.ints,
+                spec.eps,
+                spec.momentum,
+            ),
             device,
         )
         normalise((x, res, y, buf, buf, buf, buf, *normalise.ints, spec.eps, spec.negative_slope), device)
         return y, buf, plan
     normalise(
-        (x, res, y, running_mean, running_var, weight if weight is not None else running_mean,
-         bias if bias is not None else running_mean, *normalise.ints, spec.eps, spec.negative_slope),
+        (
+            x,
+            res,
+            y,
+            running_mean,
+            running_var,
+            weight if weight is not None else running_mean,
+            bias if bias is not None else running_mean,
+            *normalise.ints,
+            spec.eps,
+            spec.negative_slope,
+        ),
         device,
     )
     return y, None, plan
@@ -610,25 +699,53 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
     eval_mode = not spec.use_batch_stats
     affine = weight is not None
     flags = dict(
-        HAS_RESIDUAL=residual is not None, FROM_OUTPUT=spec.from_output, ACT=spec.act.code,
-        EMULATE_BF16_RTNE=emulate_bf16_rtne(), ACC_FP64=acc_fp64(acc),
+        HAS_RESIDUAL=residual is not None,
+        FROM_OUTPUT=spec.from_output,
+        ACT=spec.act.code,
+        EMULATE_BF16_RTNE=emulate_bf16_rtne(),
+        ACC_FP64=acc_fp64(acc),
     )
-    reduce_meta = dict(FROM_RUNNING=eval_mode, AFFINE=affine, WRITE_DX=eval_mode and need_x,
-                       WRITE_DRES=need_res, **flags, **geometry.reduce_meta())
+    reduce_meta = dict(
+        FROM_RUNNING=eval_mode,
+        AFFINE=affine,
+        WRITE_DX=eval_mode and need_x,
+        WRITE_DRES=need_res,
+        **flags,
+        **geometry.reduce_meta(),
+    )
     placeholder = torch.empty(16, dtype=acc, device=x.device)
     dx_like = x if need_x else placeholder
     dres_like = torch.empty(16, dtype=dres_dtype, device=x.device) if need_res else placeholder
     resident = _resident(
         kernels._bn_act_bwd_reduce_kernel,
-        (dy, src if src is not None else x, x, stats_table, stats_table,
-         weight if affine else stats_table, bias if affine else stats_table, placeholder, dx_like, dres_like,
-         geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1, spec.eps, spec.negative_slope),
-        reduce_meta, x.device,
+        (
+            dy,
+            src if src is not None else x,
+            x,
+            stats_table,
+            stats_table,
+            weight if affine else stats_table,
+            bias if affine else stats_table,
+            placeholder,
+            dx_like,
+            dres_like,
+            geometry.n_rows,
+            geometry.n_cols,
+            geometry.ss,
+            geometry.group_width,
+            1,
+            spec.eps,
+            spec.negative_slope,
+        ),
+        reduce_meta,
+        x.device,
     )
     chunks, rows_per_chunk = geometry.chunks(resident)
     reduce = _Launch(
-        kernels._bn_act_bwd_reduce_kernel, (geometry.groups, chunks),
-        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk), reduce_meta,
+        kernels._bn_act_bwd_reduce_kernel,
+        (geometry.groups, chunks),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk),
+        reduce_meta,
     )
     needs_pass_2 = not eval_mode and need_x
     # The dx pass reads dy' back from d(residual) (one tensor instead of dy and
@@ -638,15 +755,24 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
     if need_weight or need_bias or needs_pass_2:
         block_k, block_c = _final_blocks(geometry.channels, chunks)
         final = _Launch(
-            kernels._bn_bwd_final_kernel, (-(-geometry.channels // block_c),),
+            kernels._bn_bwd_final_kernel,
+            (-(-geometry.channels // block_c),),
             (geometry.channels, chunks, geometry.n_rows * geometry.ss),
-            dict(WRITE_DWEIGHT=need_weight, WRITE_DBIAS=need_bias, WRITE_COEF=needs_pass_2, BLOCK_K=block_k,
-                 BLOCK_C=block_c, ACC_FP64=acc_fp64(acc), num_warps=NUM_WARPS),
+            dict(
+                WRITE_DWEIGHT=need_weight,
+                WRITE_DBIAS=need_bias,
+                WRITE_COEF=needs_pass_2,
+                BLOCK_K=block_k,
+                BLOCK_C=block_c,
+                ACC_FP64=acc_fp64(acc),
+                num_warps=NUM_WARPS,
+            ),
         )
     dx = None
     if needs_pass_2:
         dx = _Launch(
-            kernels._bn_act_bwd_dx_kernel, geometry.ew_grid,
+            kernels._bn_act_bwd_dx_kernel,
+            geometry.ew_grid,
             (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
             dict(WRITE_DX=True, WRITE_DRES=False, FROM_DZ=from_dz, **flags, **geometry.elementwise_meta()),
         )
@@ -678,14 +804,26 @@ class _BatchNormActFunction(torch.autograd.Function):
         x, weight, bias, src, *running = ctx.saved_tensors
         need_x, need_weight, need_bias, need_res = needs = ctx.needs_input_grad[1:5]
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
-            return (None, *_backward_differentiable(spec, dy, x, weight, bias, src, running, ctx.residual_dtype, needs),
-                    None, None)
+            return (
+                None,
+                *_backward_differentiable(spec, dy, x, weight, bias, src, running, ctx.residual_dtype, needs),
+                None,
+                None,
+            )
         dx = torch.empty_like(x) if need_x else None
         dres = torch.empty_like(x, dtype=ctx.residual_dtype) if need_res else None
         dweight = torch.empty_like(weight) if need_weight else None
         dbias = torch.empty_like(bias) if need_bias else None
         if x.numel() == 0:
-            return (None, dx, dweight.zero_() if need_weight else None, dbias.zero_() if need_bias else None, dres, None, None)
+            return (
+                None,
+                dx,
+                dweight.zero_() if need_weight else None,
+                dbias.zero_() if need_bias else None,
+                dres,
+                None,
+                None,
+            )
         if dy.stride() != x.stride():
             dy = _in_layout_of(dy, x)
         device = x.device
@@ -705,15 +843,32 @@ class _BatchNormActFunction(torch.autograd.Function):
         else:
             table, var = running
         plan.reduce(
-            (dy, src_arg, x, table, var, weight if weight is not None else table, bias if bias is not None else table,
-             buf, dx if dx is not None else placeholder, dres if dres is not None else placeholder,
-             *plan.reduce.ints, spec.eps, spec.negative_slope),
+            (
+                dy,
+                src_arg,
+                x,
+                table,
+                var,
+                weight if weight is not None else table,
+                bias if bias is not None else table,
+                buf,
+                dx if dx is not None else placeholder,
+                dres if dres is not None else placeholder,
+                *plan.reduce.ints,
+                spec.eps,
+                spec.negative_slope,
+            ),
             device,
         )
         if plan.final is not None:
             plan.final(
-                (buf, table, dweight if need_weight else placeholder, dbias if need_bias else placeholder,
-                 *plan.final.ints),
+                (
+                    buf,
+                    table,
+                    dweight if need_weight else placeholder,
+                    dbias if need_bias else placeholder,
+                    *plan.final.ints,
+                ),
                 device,
             )
         if plan.dx is not None:

@@ -290,16 +290,23 @@ class FlatOptimizer(torch.optim.Optimizer):
         per view. The flat buffers themselves are not part of the state; they are
         rebuilt by :meth:`__setstate__`.
         """
-        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-                 for p, entry in self.state.items()}
+        state = {
+            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for p, entry in self.state.items()
+        }
         return {**self._raw_state(), "state": state}
 
     def _raw_state(self) -> dict[str, Any]:
         # The FlatParams the parameters live in travel along: copied in the same deepcopy call as the
         # parameters (or unpickled with them), they coalesce the copies again with the same layout, whichever
         # of the model, the FlatParams and the optimizer the call reaches first; the copy then holds them.
-        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
-                "master_weights": self.master_weights, "flat_params": list(self._flats)}
+        return {
+            "defaults": self.defaults,
+            "state": self.state,
+            "param_groups": self.param_groups,
+            "master_weights": self.master_weights,
+            "flat_params": list(self._flats),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuilds an optimizer from :meth:`__getstate__`'s state (unpickling, copy.deepcopy).
@@ -518,8 +525,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
             )
-        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
-                          itertools.chain.from_iterable(g["params"] for g in groups)))
+        id_map = dict(
+            zip(
+                itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                itertools.chain.from_iterable(g["params"] for g in groups),
+            )
+        )
         flat_names = {*self.state_names, MASTER_KEY}
         for saved_id, entry in state_dict["state"].items():
             param = id_map.get(saved_id)
@@ -601,8 +612,10 @@ class FlatOptimizer(torch.optim.Optimizer):
             if buffer.master_weights:
                 routes.append(f"torch.{kernel} on the float32 master weights")
             elif upcasts(self.family, kernel, buffer.dtype, buffer.device, master=False):
-                routes.append(f"torch.{kernel} on float32 copies rounded to {_name(buffer.dtype)}, as torch's "
-                              f"{_name(buffer.dtype)} kernel on {buffer.device.type} failed tfuse's check")
+                routes.append(
+                    f"torch.{kernel} on float32 copies rounded to {_name(buffer.dtype)}, as torch's "
+                    f"{_name(buffer.dtype)} kernel on {buffer.device.type} failed tfuse's check"
+                )
             else:
                 routes.append(f"torch.{kernel}")
         return f"the PyTorch path ({', '.join(routes)}; no Triton kernel runs)"
@@ -620,9 +633,15 @@ class FlatOptimizer(torch.optim.Optimizer):
         if key in self._announced:
             return
         self._announced.add(key)
-        logger.info("%s: the %s %s flat buffer (%d parameters) is updated by %s [%s]", type(self).__name__,
-                    buffer.device, _name(buffer.dtype), len(buffer.members), self._route(buffer, backend),
-                    _why(backend, buffer.device))
+        logger.info(
+            "%s: the %s %s flat buffer (%d parameters) is updated by %s [%s]",
+            type(self).__name__,
+            buffer.device,
+            _name(buffer.dtype),
+            len(buffer.members),
+            self._route(buffer, backend),
+            _why(backend, buffer.device),
+        )
 
     def _service(self) -> str:
         """What serves a step now: Triton launches per step, and the route of each flat buffer."""
@@ -649,14 +668,16 @@ class FlatOptimizer(torch.optim.Optimizer):
         params = sum(len(b.members) for b in self._buffers)
         elements = sum(m.end - m.start for b in self._buffers for m in b.members)
         buffers = len(self._buffers)
-        return (f"{type(self).__name__}: {params} parameters ({elements} elements) in {buffers} flat "
-                f"buffer{'s' if buffers != 1 else ''}, {self._service()}")
+        return (
+            f"{type(self).__name__}: {params} parameters ({elements} elements) in {buffers} flat "
+            f"buffer{'s' if buffers != 1 else ''}, {self._service()}"
+        )
 
     def __repr__(self) -> str:
         """torch.optim's repr, with a first line saying what serves the step (see :meth:`describe`)."""
         text = super().__repr__()
         head = type(self).__name__ + " ("
-        return f"{head}\nStep: {self._service()}{text[len(head):]}"
+        return f"{head}\nStep: {self._service()}{text[len(head) :]}"
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -50,8 +50,9 @@ class FlatState:
         (torch.Size([384]), torch.Size([3, 100]))
     """
 
-    def __init__(self, group: FlatGroup, start: int = 0, end: int | None = None, *,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self, group: FlatGroup, start: int = 0, end: int | None = None, *, master_weights: bool = False
+    ) -> None:
         self.master_weights = master_weights
         self.dtype = torch.float32 if master_weights else group.dtype
         self.buffers: dict[str, torch.Tensor] = {}

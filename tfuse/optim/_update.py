@@ -111,8 +111,9 @@ class RunTable:
         for start, end, _ in self.runs:
             # A wrong hint would make the compiled kernel read and write the wrong elements: checked here, once.
             if start % start_align or end % end_align or end < start:
-                raise ValueError(f"RunTable: run [{start}, {end}) does not respect start_align={start_align}, "
-                                 f"end_align={end_align}")
+                raise ValueError(
+                    f"RunTable: run [{start}, {end}) does not respect start_align={start_align}, end_align={end_align}"
+                )
         self.start_align = start_align
         self.end_align = end_align
         self._blocks: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -229,8 +230,15 @@ class SGDStep:
 
     def coefficients(self) -> list[float]:
         """The kernel's coefficient row (columns SGD_* of kernels/optim.py)."""
-        return [self.lr, self.momentum, 1.0 - self.dampening, self.weight_decay, 1.0 if self.nesterov else 0.0,
-                -1.0 if self.maximize else 1.0, 1.0 if self.first_step else 0.0]
+        return [
+            self.lr,
+            self.momentum,
+            1.0 - self.dampening,
+            self.weight_decay,
+            1.0 if self.nesterov else 0.0,
+            -1.0 if self.maximize else 1.0,
+            1.0 if self.first_step else 0.0,
+        ]
 
 
 # ---------------------------------------------------------------------------- the families
@@ -243,13 +251,25 @@ class UpdateFamily:
     kernel_name: ClassVar[str]  # the Triton kernel (named in describe() and the log)
     uses_step: ClassVar[bool]  # whether the update depends on a per-parameter step count (torch's 'step')
 
-    def launch(self, buffers: FlatBuffers, table: RunTable, rows: torch.Tensor, grad_scale: torch.Tensor | None,
-               meta: dict[str, Any]) -> None:
+    def launch(
+        self,
+        buffers: FlatBuffers,
+        table: RunTable,
+        rows: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+        meta: dict[str, Any],
+    ) -> None:
         """One launch of the family's kernel over ``table`` (``rows``: the coefficient table on the device)."""
         raise NotImplementedError
 
-    def torch_call(self, hyper: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
-                   states: dict[str, list[torch.Tensor]], grad_scale: torch.Tensor | None) -> None:
+    def torch_call(
+        self,
+        hyper: Any,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        grad_scale: torch.Tensor | None,
+    ) -> None:
         """One call of torch's fused kernel ``hyper.torch_kernel`` over lists of slices (updated in place)."""
         raise NotImplementedError
 
@@ -275,10 +295,17 @@ class _AdamFamily(UpdateFamily):
             kernels._adam_kernel,
             (starts.numel(),),
             (
-                buffers.param, buffers.grad, state["exp_avg"], exp_avg_sq,
+                buffers.param,
+                buffers.grad,
+                state["exp_avg"],
+                exp_avg_sq,
                 exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,
                 buffers.param if buffers.master is None else buffers.master,
-                starts, ends, block_rows, rows, rows if grad_scale is None else grad_scale,
+                starts,
+                ends,
+                block_rows,
+                rows,
+                rows if grad_scale is None else grad_scale,
             ),
             dict(AMSGRAD=max_exp_avg_sq is not None, **meta),
             buffers.param.device,
@@ -288,9 +315,19 @@ class _AdamFamily(UpdateFamily):
         # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
         step = torch.tensor(float(hyper.step), dtype=torch.float32, device=params[0].device)
         getattr(torch, hyper.torch_kernel)(
-            params, grads, states["exp_avg"], states["exp_avg_sq"], states.get("max_exp_avg_sq", []),
-            [step] * len(params), lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-            weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=hyper.amsgrad, maximize=hyper.maximize,
+            params,
+            grads,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states.get("max_exp_avg_sq", []),
+            [step] * len(params),
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            amsgrad=hyper.amsgrad,
+            maximize=hyper.maximize,
             grad_scale=grad_scale,
         )
 
@@ -314,9 +351,15 @@ class _SGDFamily(UpdateFamily):
             kernels._sgd_kernel,
             (starts.numel(),),
             (
-                buffers.param, buffers.grad, buffers.param if momentum_buffer is None else momentum_buffer,
+                buffers.param,
+                buffers.grad,
+                buffers.param if momentum_buffer is None else momentum_buffer,
                 buffers.param if buffers.master is None else buffers.master,
-                starts, ends, block_rows, rows, rows if grad_scale is None else grad_scale,
+                starts,
+                ends,
+                block_rows,
+                rows,
+                rows if grad_scale is None else grad_scale,
             ),
             dict(MOMENTUM=momentum_buffer is not None, **meta),
             buffers.param.device,
@@ -324,9 +367,17 @@ class _SGDFamily(UpdateFamily):
 
     def torch_call(self, hyper, params, grads, states, grad_scale):
         torch._fused_sgd_(
-            params, grads, states.get("momentum_buffer", []), weight_decay=hyper.weight_decay,
-            momentum=hyper.momentum, lr=hyper.lr, dampening=hyper.dampening, nesterov=hyper.nesterov,
-            maximize=hyper.maximize, is_first_step=hyper.first_step, grad_scale=grad_scale,
+            params,
+            grads,
+            states.get("momentum_buffer", []),
+            weight_decay=hyper.weight_decay,
+            momentum=hyper.momentum,
+            lr=hyper.lr,
+            dampening=hyper.dampening,
+            nesterov=hyper.nesterov,
+            maximize=hyper.maximize,
+            is_first_step=hyper.first_step,
+            grad_scale=grad_scale,
         )
 
     def probe_sequences(self, kernel):
@@ -334,8 +385,11 @@ class _SGDFamily(UpdateFamily):
         plain = SGDStep(lr=0.5, first_step=True)
         nesterov = SGDStep(lr=0.5, momentum=0.9, weight_decay=0.5, nesterov=True, maximize=True, first_step=True)
         damped = SGDStep(lr=0.5, momentum=0.8, dampening=0.3, weight_decay=0.3, first_step=True)
-        return [[plain], [nesterov, dataclasses.replace(nesterov, first_step=False)],
-                [damped, dataclasses.replace(damped, first_step=False)]]
+        return [
+            [plain],
+            [nesterov, dataclasses.replace(nesterov, first_step=False)],
+            [damped, dataclasses.replace(damped, first_step=False)],
+        ]
 
 
 ADAM = _AdamFamily()
@@ -345,8 +399,14 @@ SGD = _SGDFamily()
 # ---------------------------------------------------------------------------- the update functions
 
 
-def adam_update(buffers: FlatBuffers, table: RunTable, rows: Sequence[AdamStep], *,
-                grad_scale: torch.Tensor | None = None, backend: Backend | None = None) -> None:
+def adam_update(
+    buffers: FlatBuffers,
+    table: RunTable,
+    rows: Sequence[AdamStep],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> None:
     """One Adam/AdamW step over the ranges of ``table``: ``torch.optim.Adam``'s maths, in place.
 
     Args:
@@ -370,8 +430,14 @@ def adam_update(buffers: FlatBuffers, table: RunTable, rows: Sequence[AdamStep],
     update(ADAM, buffers, table, rows, grad_scale=grad_scale, backend=backend)
 
 
-def sgd_update(buffers: FlatBuffers, table: RunTable, rows: Sequence[SGDStep], *,
-               grad_scale: torch.Tensor | None = None, backend: Backend | None = None) -> None:
+def sgd_update(
+    buffers: FlatBuffers,
+    table: RunTable,
+    rows: Sequence[SGDStep],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> None:
     """One SGD step over the ranges of ``table``: ``torch.optim.SGD``'s maths, in place.
 
     Arguments as for :func:`adam_update`; ``buffers.state`` holds
@@ -389,8 +455,15 @@ def sgd_update(buffers: FlatBuffers, table: RunTable, rows: Sequence[SGDStep], *
     update(SGD, buffers, table, rows, grad_scale=grad_scale, backend=backend)
 
 
-def update(family: UpdateFamily, buffers: FlatBuffers, table: RunTable, rows: Sequence[Any], *,
-           grad_scale: torch.Tensor | None = None, backend: Backend | None = None) -> None:
+def update(
+    family: UpdateFamily,
+    buffers: FlatBuffers,
+    table: RunTable,
+    rows: Sequence[Any],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> None:
     """One step of ``family``'s update (see :func:`adam_update`): the Triton kernel or the PyTorch path."""
     device = buffers.param.device
     if backend is None:
@@ -398,9 +471,14 @@ def update(family: UpdateFamily, buffers: FlatBuffers, table: RunTable, rows: Se
     if backend is Backend.TRITON:
         coefficients = torch.tensor([hyper.coefficients() for hyper in rows], dtype=torch.float64)
         meta = dict(
-            ACC_FP64=acc_fp64(buffers.param.dtype), MASTER=buffers.master is not None,
-            GRAD_SCALE=grad_scale is not None, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=BLOCK,
-            START_ALIGN=table.start_align, END_ALIGN=table.end_align, num_warps=NUM_WARPS,
+            ACC_FP64=acc_fp64(buffers.param.dtype),
+            MASTER=buffers.master is not None,
+            GRAD_SCALE=grad_scale is not None,
+            EMULATE_BF16_RTNE=emulate_bf16_rtne(),
+            BLOCK=BLOCK,
+            START_ALIGN=table.start_align,
+            END_ALIGN=table.end_align,
+            num_warps=NUM_WARPS,
         )
         family.launch(buffers, table, coefficients.to(device, non_blocking=True), grad_scale, meta)
     else:
@@ -419,8 +497,9 @@ def upcasts(family: UpdateFamily, kernel: str, dtype: torch.dtype, device: torch
     return dtype in LOW_PRECISION and not native_low_precision_ok(family, kernel, dtype, device)
 
 
-def _torch_update(family: UpdateFamily, buffers: FlatBuffers, table: RunTable, rows: Sequence[Any],
-                  grad_scale: torch.Tensor | None) -> None:
+def _torch_update(
+    family: UpdateFamily, buffers: FlatBuffers, table: RunTable, rows: Sequence[Any], grad_scale: torch.Tensor | None
+) -> None:
     """torch's fused kernels over the runs (one call per row).
 
     Runs are cut into pieces of TORCH_PIECE elements: torch's fused CPU kernels
@@ -438,8 +517,11 @@ def _torch_update(family: UpdateFamily, buffers: FlatBuffers, table: RunTable, r
         names = hyper.state_names
         if not upcasts(family, hyper.torch_kernel, param.dtype, param.device, master is not None):
             family.torch_call(
-                hyper, [param[s:e] for s, e in spans], [grad[s:e] for s, e in spans],
-                {name: [state[name][s:e] for s, e in spans] for name in names}, scale,
+                hyper,
+                [param[s:e] for s, e in spans],
+                [grad[s:e] for s, e in spans],
+                {name: [state[name][s:e] for s, e in spans] for name in names},
+                scale,
             )
             continue
         for batch in _batches(spans, UPCAST_BATCH):
@@ -500,8 +582,11 @@ def native_low_precision_ok(family: UpdateFamily, kernel: str, dtype: torch.dtyp
         if not ok:
             logger.info(
                 "tfuse: torch.%s gives wrong results for %s tensors on %s (torch %s); tfuse computes these "
-                "updates on float32 copies and rounds them instead", kernel, str(dtype).replace("torch.", ""),
-                device.type, torch.__version__,
+                "updates on float32 copies and rounds them instead",
+                kernel,
+                str(dtype).replace("torch.", ""),
+                device.type,
+                torch.__version__,
             )
     return ok
 

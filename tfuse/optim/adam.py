@@ -97,8 +97,16 @@ class FusedAdam(FlatOptimizer):
         master_weights: bool = False,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
         self._check_group(defaults)
@@ -123,9 +131,15 @@ class FusedAdam(FlatOptimizer):
     def _hyper(self, group: dict[str, Any], step: int, first: bool) -> AdamStep:
         beta1, beta2 = (as_float(b) for b in group["betas"])
         return AdamStep(
-            lr=as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=as_float(group["eps"]),
-            weight_decay=as_float(group["weight_decay"]), step=step, amsgrad=bool(group["amsgrad"]),
-            maximize=bool(group["maximize"]), decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            lr=as_float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=as_float(group["eps"]),
+            weight_decay=as_float(group["weight_decay"]),
+            step=step,
+            amsgrad=bool(group["amsgrad"]),
+            maximize=bool(group["maximize"]),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
         )
 
 
@@ -175,6 +189,17 @@ class FusedAdamW(FusedAdam):
         master_weights: bool = False,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
-            differentiable=differentiable, fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+            master_weights=master_weights,
         )

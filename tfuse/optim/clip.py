@@ -187,10 +187,16 @@ def clip_grad_norm_(
             if not table.n_blocks:
                 continue
             launch(
-                kernels._clip_segments_kernel, (table.n_blocks,),
+                kernels._clip_segments_kernel,
+                (table.n_blocks,),
                 (segment.buffer(), table.blocks, norm, max_hi, max_lo),
-                dict(ALIGN=segment.align, HAS_TAIL=table.has_tail, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=BLOCK,
-                     num_warps=NUM_WARPS),
+                dict(
+                    ALIGN=segment.align,
+                    HAS_TAIL=table.has_tail,
+                    EMULATE_BF16_RTNE=emulate_bf16_rtne(),
+                    BLOCK=BLOCK,
+                    num_warps=NUM_WARPS,
+                ),
                 device,
             )
     if loose:
@@ -245,7 +251,9 @@ class _Segment:
     whose FlatParams laid its buffers out again is replaced, tables and all).
     """
 
-    def __init__(self, owner: FlatParams, buffer: torch.Tensor, first: int, offsets: list[int], numels: list[int]) -> None:
+    def __init__(
+        self, owner: FlatParams, buffer: torch.Tensor, first: int, offsets: list[int], numels: list[int]
+    ) -> None:
         self.owner = weakref.ref(owner)
         self.layout_version = owner.layout_version
         self._buffer = weakref.ref(buffer)
@@ -380,8 +388,13 @@ def _home_finder(homes: tuple[FlatParams, ...] | None) -> Callable[[torch.Tensor
 def _same_memory(grad: torch.Tensor, view: torch.Tensor | None) -> bool:
     """Whether ``grad`` is ``view``'s memory seen through another tensor object (same place, shape and strides)."""
     return (
-        view is not None and not grad.requires_grad and grad.device == view.device and grad.dtype == view.dtype
-        and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
+        view is not None
+        and not grad.requires_grad
+        and grad.device == view.device
+        and grad.dtype == view.dtype
+        and grad.data_ptr() == view.data_ptr()
+        and grad.shape == view.shape
+        and grad.stride() == view.stride()
     )
 
 
@@ -417,7 +430,8 @@ def _flat_norm(
     for segment, table in work:
         if table.n_blocks:
             launch(
-                kernels._norm_partial_kernel, (table.n_blocks,),
+                kernels._norm_partial_kernel,
+                (table.n_blocks,),
                 (segment.buffer(), table.blocks, partials, offset, p_hi, p_lo),
                 dict(NORM=kind, ALIGN=segment.align, HAS_TAIL=table.has_tail, BLOCK=BLOCK, num_warps=NUM_WARPS),
                 device,
@@ -425,8 +439,11 @@ def _flat_norm(
             offset += table.n_blocks
     total = torch.empty((), dtype=out_dtype or acc, device=device)
     launch(
-        kernels._norm_final_kernel, (1,), (partials, n_partials, total, p_hi, p_lo),
-        dict(NORM=kind, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=FINAL_BLOCK, num_warps=FINAL_NUM_WARPS), device,
+        kernels._norm_final_kernel,
+        (1,),
+        (partials, n_partials, total, p_hi, p_lo),
+        dict(NORM=kind, EMULATE_BF16_RTNE=emulate_bf16_rtne(), BLOCK=FINAL_BLOCK, num_warps=FINAL_NUM_WARPS),
+        device,
     )
     return total
 

@@ -76,8 +76,17 @@ class FusedSGD(FlatOptimizer):
         fused: bool | None = None,
         master_weights: bool = False,
     ) -> None:
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+        )
         self._check_group(defaults)
         super().__init__(params, defaults, master_weights)
 
@@ -90,9 +99,13 @@ class FusedSGD(FlatOptimizer):
 
     def _hyper(self, group: dict[str, Any], step: int, first: bool) -> SGDStep:
         return SGDStep(
-            lr=as_float(group["lr"]), momentum=as_float(group["momentum"]), dampening=as_float(group["dampening"]),
-            weight_decay=as_float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
-            maximize=bool(group["maximize"]), first_step=first,
+            lr=as_float(group["lr"]),
+            momentum=as_float(group["momentum"]),
+            dampening=as_float(group["dampening"]),
+            weight_decay=as_float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+            first_step=first,
         )
 
 
@@ -123,5 +136,16 @@ class FusedMomentum(FusedSGD):
         fused: bool | None = None,
         master_weights: bool = False,
     ) -> None:
-        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, foreach=foreach,
-                         differentiable=differentiable, fused=fused, master_weights=master_weights)
+        super().__init__(
+            params,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+            master_weights=master_weights,
+        )
