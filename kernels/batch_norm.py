@@ -96,17 +96,8 @@ def _bn_chunk(n_rows, rows_per_chunk, INDEX_64: tl.constexpr):
 
 @triton.jit
 def _bn_lane_params(
-    p_ptr,
-    var_ptr,
-    weight_ptr,
-    bias_ptr,
-    channels,
-    mask,
-    C,
-    eps,
-    FROM_RUNNING: tl.constexpr,
-    AFFINE: tl.constexpr,
-    acc: tl.constexpr,
+    p_ptr, var_ptr, weight_ptr, bias_ptr, channels, mask, C, eps,
+    FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, acc: tl.constexpr,
 ):
     """Per-lane mean, 1/std, scale (= weight/std) and bias, in ``acc``.
 
@@ -135,16 +126,8 @@ def _bn_lane_params(
 
 @triton.jit
 def _bn_segment_sums(
-    a,
-    b,
-    start,
-    end,
-    SS,
-    part: tl.constexpr,
-    SEG: tl.constexpr,
-    BL: tl.constexpr,
-    CB_PART: tl.constexpr,
-    S_PAD: tl.constexpr,
+    a, b, start, end, SS, part: tl.constexpr, SEG: tl.constexpr, BL: tl.constexpr,
+    CB_PART: tl.constexpr, S_PAD: tl.constexpr,
 ):
     """Per-channel sums of the per-lane sums ``a`` and ``b`` ([BL]) of one column window.
 
@@ -174,22 +157,9 @@ def _bn_segment_sums(
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
 def _bn_stats_partial_kernel(
-    x_ptr,
-    buf_ptr,
-    n_rows,
-    n_cols,
-    SS,
-    GW,
-    rows_per_chunk,
-    SEG: tl.constexpr,
-    BN: tl.constexpr,
-    BL: tl.constexpr,
-    VEC: tl.constexpr,
-    PARTS: tl.constexpr,
-    CB_PART: tl.constexpr,
-    S_PAD: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    ACC_FP64: tl.constexpr,
+    x_ptr, buf_ptr, n_rows, n_cols, SS, GW, rows_per_chunk,
+    SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
     """Mean and M2 (sum of squared deviations) per channel of one (column group, row chunk).
 
@@ -209,9 +179,8 @@ def _bn_stats_partial_kernel(
         shift = tl.gather(first_row, (lanes // SS) * SS, 0)[None, :]
     else:  # the row broadcast over the tile's BN rows (its own layout, no shuffle; the repeats hit in cache)
         same_row = tl.zeros([BN], tl.int32)[:, None]
-        first = tl.load(
-            x_ptr + first_offset + same_row + cols[None, :], mask=(same_row == 0) & (cols < end)[None, :], other=0.0
-        ).to(acc)
+        first = tl.load(x_ptr + first_offset + same_row + cols[None, :],
+                        mask=(same_row == 0) & (cols < end)[None, :], other=0.0).to(acc)
         if SEG == SEG_LANE:  # each column a channel: its first value
             shift = first
         else:  # one channel: the mean of its first row's first piece
@@ -255,22 +224,9 @@ def _bn_stats_partial_kernel(
 
 @triton.jit(do_not_specialize=["C", "n_chunks", "rows_per_chunk", "n_rows"])
 def _bn_stats_final_kernel(
-    buf_ptr,
-    running_mean_ptr,
-    running_var_ptr,
-    weight_ptr,
-    bias_ptr,
-    C,
-    n_chunks,
-    rows_per_chunk,
-    n_rows,
-    SS,
-    eps,
-    momentum,
-    UPDATE_RUNNING: tl.constexpr,
-    AFFINE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr,
+    C, n_chunks, rows_per_chunk, n_rows, SS, eps, momentum,
+    UPDATE_RUNNING: tl.constexpr, AFFINE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ACC_FP64: tl.constexpr,
 ):
     """Merges the chunk partials of BLOCK_C channels (Chan's formula, shifted by chunk 0's mean).
@@ -324,29 +280,11 @@ def _bn_stats_final_kernel(
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_fwd_kernel(
-    x_ptr,
-    res_ptr,
-    y_ptr,
-    p_ptr,
-    var_ptr,
-    weight_ptr,
-    bias_ptr,
-    n_rows,
-    n_cols,
-    SS,
-    rows_per_chunk,
-    eps,
-    negative_slope,
-    HAS_RESIDUAL: tl.constexpr,
-    FROM_RUNNING: tl.constexpr,
-    AFFINE: tl.constexpr,
-    ACT: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    BN: tl.constexpr,
-    BL: tl.constexpr,
-    VEC: tl.constexpr,
-    ACC_FP64: tl.constexpr,
+    x_ptr, res_ptr, y_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr,
+    n_rows, n_cols, SS, rows_per_chunk, eps, negative_slope,
+    HAS_RESIDUAL: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
+    VEC: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
     """y = act((x - mean) * scale + bias + residual) over BL columns x one row chunk.
 
@@ -373,19 +311,8 @@ def _bn_act_fwd_kernel(
 
 @triton.jit
 def _bn_act_grad_out(
-    dy_ptr,
-    src_ptr,
-    x_ptr,
-    offsets,
-    mask,
-    mean,
-    scale,
-    bias,
-    negative_slope,
-    HAS_RESIDUAL: tl.constexpr,
-    FROM_OUTPUT: tl.constexpr,
-    ACT: tl.constexpr,
-    acc: tl.constexpr,
+    dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
+    HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, ACT: tl.constexpr, acc: tl.constexpr,
 ):
     """dz = dy * act'(.) over a tile (0 off the mask), and x - mean.
 
@@ -407,40 +334,12 @@ def _bn_act_grad_out(
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
 def _bn_act_bwd_reduce_kernel(
-    dy_ptr,
-    src_ptr,
-    x_ptr,
-    p_ptr,
-    var_ptr,
-    weight_ptr,
-    bias_ptr,
-    buf_ptr,
-    dx_ptr,
-    dres_ptr,
-    n_rows,
-    n_cols,
-    SS,
-    GW,
-    rows_per_chunk,
-    eps,
-    negative_slope,
-    HAS_RESIDUAL: tl.constexpr,
-    FROM_OUTPUT: tl.constexpr,
-    FROM_RUNNING: tl.constexpr,
-    AFFINE: tl.constexpr,
-    ACT: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    WRITE_DRES: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    SEG: tl.constexpr,
-    BN: tl.constexpr,
-    BL: tl.constexpr,
-    VEC: tl.constexpr,
-    PARTS: tl.constexpr,
-    CB_PART: tl.constexpr,
-    S_PAD: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    ACC_FP64: tl.constexpr,
+    dy_ptr, src_ptr, x_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr, buf_ptr, dx_ptr, dres_ptr,
+    n_rows, n_cols, SS, GW, rows_per_chunk, eps, negative_slope,
+    HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr,
+    ACT: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+    SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
     """Backward pass 1: per (column group, row chunk) sums of dy' and dy' * x_hat per channel.
 
@@ -469,28 +368,14 @@ def _bn_act_bwd_reduce_kernel(
             offsets = row_offsets[:, None] + cols[None, :]
             mask = row_mask[:, None] & (cols < end)[None, :]
             dz, xc = _bn_act_grad_out(
-                dy_ptr,
-                src_ptr,
-                x_ptr,
-                offsets,
-                mask,
-                mean,
-                scale,
-                bias,
-                negative_slope,
-                HAS_RESIDUAL,
-                FROM_OUTPUT,
-                ACT,
-                acc,
+                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
+                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
             )
             sum_dz += dz
             sum_dz_xc += dz * xc
             if WRITE_DX:
-                tl.store(
-                    dx_ptr + offsets,
-                    _cast_to(dz * scale[None, :], dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE),
-                    mask=mask,
-                )
+                tl.store(dx_ptr + offsets, _cast_to(dz * scale[None, :], dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE),
+                         mask=mask)
             if WRITE_DRES:
                 tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
     # sum dy' * x_hat = 1/std * sum dy' * (x - mean): 1/std is per lane, so it goes in once here
@@ -512,19 +397,9 @@ def _bn_act_bwd_reduce_kernel(
 
 @triton.jit(do_not_specialize=["C", "n_chunks", "count"])
 def _bn_bwd_final_kernel(
-    buf_ptr,
-    p_ptr,
-    dweight_ptr,
-    dbias_ptr,
-    C,
-    n_chunks,
-    count,
-    WRITE_DWEIGHT: tl.constexpr,
-    WRITE_DBIAS: tl.constexpr,
-    WRITE_COEF: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    ACC_FP64: tl.constexpr,
+    buf_ptr, p_ptr, dweight_ptr, dbias_ptr, C, n_chunks, count,
+    WRITE_DWEIGHT: tl.constexpr, WRITE_DBIAS: tl.constexpr, WRITE_COEF: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
     """Sums the chunk partials of BLOCK_C channels: d(bias) = sum dy', d(weight) = sum dy' x_hat.
 
@@ -565,29 +440,11 @@ def _bn_bwd_final_kernel(
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_bwd_dx_kernel(
-    dy_ptr,
-    src_ptr,
-    x_ptr,
-    q_ptr,
-    dx_ptr,
-    dres_ptr,
-    n_rows,
-    n_cols,
-    SS,
-    rows_per_chunk,
-    negative_slope,
-    HAS_RESIDUAL: tl.constexpr,
-    FROM_OUTPUT: tl.constexpr,
-    FROM_DZ: tl.constexpr,
-    ACT: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    WRITE_DRES: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    BN: tl.constexpr,
-    BL: tl.constexpr,
-    VEC: tl.constexpr,
-    ACC_FP64: tl.constexpr,
+    dy_ptr, src_ptr, x_ptr, q_ptr, dx_ptr, dres_ptr,
+    n_rows, n_cols, SS, rows_per_chunk, negative_slope,
+    HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_DZ: tl.constexpr, ACT: tl.constexpr,
+    WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+    INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
     """Backward pass 2 (batch statistics): dx = scale * (dy' - mean(dy') - x_hat * mean(dy' x_hat)).
 
@@ -619,19 +476,8 @@ def _bn_act_bwd_dx_kernel(
             xc = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc) - mean[None, :]
         else:
             dz, xc = _bn_act_grad_out(
-                dy_ptr,
-                src_ptr,
-                x_ptr,
-                offsets,
-                mask,
-                mean,
-                scale,
-                bias,
-                negative_slope,
-                HAS_RESIDUAL,
-                FROM_OUTPUT,
-                ACT,
-                acc,
+                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, scale, bias, negative_slope,
+                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
             )
         if WRITE_DX:
             dx = scale[None, :] * dz - a[None, :] - xc * b[None, :]

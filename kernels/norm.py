@@ -82,18 +82,8 @@ def _reduce_terms(terms, NORM: tl.constexpr):
 
 
 @triton.jit
-def _norm_partial_kernel(
-    grad_ptr,
-    blocks_ptr,
-    partial_ptr,
-    partial_offset,
-    p_hi,
-    p_lo,
-    NORM: tl.constexpr,
-    ALIGN: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _norm_partial_kernel(grad_ptr, blocks_ptr, partial_ptr, partial_offset, p_hi, p_lo, NORM: tl.constexpr,
+                         ALIGN: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr):
     """partial[partial_offset + i] = sum |g|^p (or max |g|) over block i of the table."""
     ACC: tl.constexpr = partial_ptr.dtype.element_ty
     start, length, body = _block_span(blocks_ptr, ALIGN, HAS_TAIL)
@@ -116,16 +106,8 @@ def _norm_partial_kernel(
 
 
 @triton.jit
-def _norm_final_kernel(
-    partial_ptr,
-    n_partials,
-    norm_ptr,
-    p_hi,
-    p_lo,
-    NORM: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _norm_final_kernel(partial_ptr, n_partials, norm_ptr, p_hi, p_lo, NORM: tl.constexpr,
+                       EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr):
     """norm = (sum of partials)^(1/p) (or their max), in one program, stored in norm_ptr's dtype."""
     ACC: tl.constexpr = partial_ptr.dtype.element_ty
     p = tl.cast(p_hi, ACC) + tl.cast(p_lo, ACC)
@@ -174,17 +156,8 @@ def _clip_coef(norm_ptr, max_norm, ACC: tl.constexpr, EMULATE_BF16_RTNE: tl.cons
 
 
 @triton.jit
-def _clip_segments_kernel(
-    grad_ptr,
-    blocks_ptr,
-    norm_ptr,
-    max_norm_hi,
-    max_norm_lo,
-    ALIGN: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _clip_segments_kernel(grad_ptr, blocks_ptr, norm_ptr, max_norm_hi, max_norm_lo, ALIGN: tl.constexpr,
+                          HAS_TAIL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr):
     """g *= min(max_norm / (norm + 1e-6), 1) over block i, reading the norm on the device (no sync).
 
     A NaN norm makes the coefficient (and the gradients) NaN, as torch.clamp does.

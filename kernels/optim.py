@@ -50,15 +50,8 @@ SGD_ROW = tl.constexpr(7)
 
 
 @triton.jit
-def _load_grad(
-    grad_ptr,
-    offsets,
-    mask,
-    grad_scale_ptr,
-    ACC: tl.constexpr,
-    GRAD_SCALE: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-):
+def _load_grad(grad_ptr, offsets, mask, grad_scale_ptr, ACC: tl.constexpr, GRAD_SCALE: tl.constexpr,
+               EMULATE_BF16_RTNE: tl.constexpr):
     """The gradient in ACC; with GRAD_SCALE, unscaled and written back unscaled (as torch's fused optimizers do)."""
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(ACC)
     if GRAD_SCALE:
@@ -68,16 +61,8 @@ def _load_grad(
 
 
 @triton.jit
-def _block(
-    starts_ptr,
-    ends_ptr,
-    block_rows_ptr,
-    rows_ptr,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-    START_ALIGN: tl.constexpr,
-    END_ALIGN: tl.constexpr,
-):
+def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+           START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr):
     """This program's element offsets, their mask, and a pointer to its coefficient row.
 
     The alignment hints let the compiler use 128-bit accesses: block starts are
@@ -110,25 +95,10 @@ def _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER: tl.constex
 
 @triton.jit
 def _adam_kernel(
-    param_ptr,
-    grad_ptr,
-    exp_avg_ptr,
-    exp_avg_sq_ptr,
-    max_exp_avg_sq_ptr,
-    master_ptr,
-    starts_ptr,
-    ends_ptr,
-    block_rows_ptr,
-    rows_ptr,
-    grad_scale_ptr,
-    ACC_FP64: tl.constexpr,
-    AMSGRAD: tl.constexpr,
-    MASTER: tl.constexpr,
-    GRAD_SCALE: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    START_ALIGN: tl.constexpr,
-    END_ALIGN: tl.constexpr,
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, master_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
+    ACC_FP64: tl.constexpr, AMSGRAD: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """Adam / AdamW (torch.optim semantics) over one block of a flat buffer."""
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
@@ -169,31 +139,17 @@ def _adam_kernel(
     denom = tl.sqrt(second_moment) / bc2_sqrt + eps
     param = param - (exp_avg / denom) * step_size
     tl.store(exp_avg_ptr + offsets, _cast_to(exp_avg, exp_avg_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
-    tl.store(
-        exp_avg_sq_ptr + offsets, _cast_to(exp_avg_sq, exp_avg_sq_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask
-    )
+    exp_avg_sq_out = _cast_to(exp_avg_sq, exp_avg_sq_ptr.dtype.element_ty, EMULATE_BF16_RTNE)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq_out, mask=mask)
     _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER, EMULATE_BF16_RTNE)
 
 
 @triton.jit
 def _sgd_kernel(
-    param_ptr,
-    grad_ptr,
-    momentum_buffer_ptr,
-    master_ptr,
-    starts_ptr,
-    ends_ptr,
-    block_rows_ptr,
-    rows_ptr,
-    grad_scale_ptr,
-    ACC_FP64: tl.constexpr,
-    MOMENTUM: tl.constexpr,
-    MASTER: tl.constexpr,
-    GRAD_SCALE: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    START_ALIGN: tl.constexpr,
-    END_ALIGN: tl.constexpr,
+    param_ptr, grad_ptr, momentum_buffer_ptr, master_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
+    ACC_FP64: tl.constexpr, MOMENTUM: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """SGD with optional momentum, dampening and Nesterov (torch.optim.SGD semantics) over one block."""
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)

@@ -150,22 +150,9 @@ def _store(ptrs, values, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _load_operand(
-    ptr,
-    strides,
-    MODE: tl.constexpr,
-    rows,
-    cols,
-    offsets,
-    row_mask,
-    col_mask,
-    mask,
-    outer_sizes,
-    OUTER_RANK: tl.constexpr,
-    dtype: tl.constexpr,
-    col_divs,
-    COL_RANK: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    MASKED: tl.constexpr,
+    ptr, strides, MODE: tl.constexpr, rows, cols, offsets, row_mask, col_mask, mask,
+    outer_sizes, OUTER_RANK: tl.constexpr, dtype: tl.constexpr,
+    col_divs, COL_RANK: tl.constexpr, INDEX_64: tl.constexpr, MASKED: tl.constexpr,
 ):
     """The operand's values over the tile, as ``dtype``, broadcast to the tile's shape."""
     # (Broadcasts by tl.broadcast_to, not by adding zeros: 0.0 + x is an
@@ -190,24 +177,9 @@ def _load_operand(
 
 @triton.jit
 def _sum_operands(
-    ptrs,
-    strides,
-    MODES: tl.constexpr,
-    N: tl.constexpr,
-    rows,
-    cols,
-    offsets,
-    row_mask,
-    col_mask,
-    mask,
-    outer_sizes,
-    OUTER_RANK: tl.constexpr,
-    dtype: tl.constexpr,
-    col_divs,
-    COL_RANK: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    MASKED: tl.constexpr,
-    SKIP_COL: tl.constexpr = False,
+    ptrs, strides, MODES: tl.constexpr, N: tl.constexpr, rows, cols, offsets, row_mask, col_mask, mask,
+    outer_sizes, OUTER_RANK: tl.constexpr, dtype: tl.constexpr,
+    col_divs, COL_RANK: tl.constexpr, INDEX_64: tl.constexpr, MASKED: tl.constexpr, SKIP_COL: tl.constexpr = False,
 ):
     """``sum(operands)`` over the tile, accumulated in ``dtype`` left to right
     (without the COL operands if SKIP_COL: see _sum_col_operands)."""
@@ -215,22 +187,8 @@ def _sum_operands(
     for i in tl.static_range(N):
         if not (SKIP_COL and MODES[i] == COL):
             x = _load_operand(
-                ptrs[i],
-                strides[i],
-                MODES[i],
-                rows,
-                cols,
-                offsets,
-                row_mask,
-                col_mask,
-                mask,
-                outer_sizes,
-                OUTER_RANK,
-                dtype,
-                col_divs,
-                COL_RANK,
-                INDEX_64,
-                MASKED,
+                ptrs[i], strides[i], MODES[i], rows, cols, offsets, row_mask, col_mask, mask, outer_sizes,
+                OUTER_RANK, dtype, col_divs, COL_RANK, INDEX_64, MASKED,
             )
             if i == 0:
                 acc = x  # not 0.0 + x: one add per element fewer (and -0.0 stays -0.0, as in torch)
@@ -241,17 +199,8 @@ def _sum_operands(
 
 @triton.jit
 def _sum_col_operands(
-    ptrs,
-    strides,
-    MODES: tl.constexpr,
-    N: tl.constexpr,
-    cols,
-    col_mask,
-    col_divs,
-    OUTER_RANK: tl.constexpr,
-    COL_RANK: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    dtype: tl.constexpr,
+    ptrs, strides, MODES: tl.constexpr, N: tl.constexpr, cols, col_mask, col_divs, OUTER_RANK: tl.constexpr,
+    COL_RANK: tl.constexpr, INDEX_64: tl.constexpr, dtype: tl.constexpr,
 ):
     """The sum of the COL operands over the columns ``cols`` (a vector): what
     they add to every row, loaded once by a program that walks many rows."""
@@ -265,23 +214,9 @@ def _sum_col_operands(
 
 @triton.jit
 def _sum_tile_of_program(
-    pid,
-    in_ptrs,
-    in_strides,
-    outer_sizes,
-    col_divs,
-    n_rows,
-    n_cols,
-    N_INPUTS: tl.constexpr,
-    MODES: tl.constexpr,
-    OUTER_RANK: tl.constexpr,
-    COL_RANK: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    ACC_FP64: tl.constexpr,
-    ONE_ROW: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-    MASKED: tl.constexpr,
+    pid, in_ptrs, in_strides, outer_sizes, col_divs, n_rows, n_cols, N_INPUTS: tl.constexpr, MODES: tl.constexpr,
+    OUTER_RANK: tl.constexpr, COL_RANK: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
+    ONE_ROW: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, MASKED: tl.constexpr,
 ):
     """The sum of the inputs over the tile of program ``pid`` (float32, or
     float64 with ACC_FP64), with the tile's output offsets and mask: the
@@ -291,23 +226,8 @@ def _sum_tile_of_program(
     )
     acc_dtype: tl.constexpr = _acc_dtype(ACC_FP64)
     acc = _sum_operands(
-        in_ptrs,
-        in_strides,
-        MODES,
-        N_INPUTS,
-        rows,
-        cols,
-        offsets,
-        row_mask,
-        col_mask,
-        mask,
-        outer_sizes,
-        OUTER_RANK,
-        acc_dtype,
-        col_divs,
-        COL_RANK,
-        INDEX_64,
-        MASKED,
+        in_ptrs, in_strides, MODES, N_INPUTS, rows, cols, offsets, row_mask, col_mask, mask,
+        outer_sizes, OUTER_RANK, acc_dtype, col_divs, COL_RANK, INDEX_64, MASKED,
     )
     return acc, offsets, mask
 
