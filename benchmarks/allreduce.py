@@ -50,6 +50,8 @@ BUCKET_MB_SWEEP = (1, 4, 16, 25, 64)
 COUNT_CAP_SWEEP = (1, 8, 32, 128)
 DDP_BUCKET_MB = 25
 CANARY = "copy canary"
+HOOK_PARAMS = 200  # the per-gradient host cost panel: this many parameters of HOOK_NUMEL elements
+HOOK_NUMEL = 16
 # The CNN block's reference: the fastest torch combination (DDP with torch's fused SGD).
 DDP_FUSED_SGD = f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD fused=True"
 
@@ -161,6 +163,35 @@ def _fdp_config(wrapper: type, shapes, device, scale, label, bucket_mb, cap, x, 
     return _Config(label, "resnet50-sync", step, lambda: model.num_allreduce_calls, x=x, sweep=sweep)
 
 
+def _hook_configs(device: torch.device) -> list[_Config]:
+    """Per-gradient host cost: HOOK_PARAMS tiny parameters, so that a backward is mostly per-tensor bookkeeping.
+
+    Local (no wrapper), DDP and FusedDataParallel, each one bucket; their difference over HOOK_PARAMS is
+    what each wrapper spends per gradient (DDP in C++, tfuse in one Python hook).
+    """
+    from tfuse.distributed import FusedDataParallel
+
+    scale = torch.tensor(1.0 + dist.get_rank(), device=device)
+    shapes = [(HOOK_NUMEL,)] * HOOK_PARAMS
+
+    def make(model: torch.nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad()
+            model(scale).backward()
+
+        return step
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_CheapModel(shapes, device), bucket_cap_mb=DDP_BUCKET_MB)
+    fdp = FusedDataParallel(_CheapModel(shapes, device), bucket_mb=DDP_BUCKET_MB)
+    return [
+        _Config(f"backward only, {HOOK_PARAMS} tiny parameters", "hook-cost", make(_CheapModel(shapes, device)),
+                lambda: 0),
+        _Config(f"torch DDP, {HOOK_PARAMS} tiny parameters", "hook-cost", make(ddp), lambda: _ddp_bucket_count(ddp)),
+        _Config(f"tfuse FusedDataParallel, {HOOK_PARAMS} tiny parameters", "hook-cost", make(fdp),
+                lambda: fdp.num_allreduce_calls),
+    ]
+
+
 def _cnn_configs(device: torch.device, quick: bool) -> list[_Config]:
     from tfuse.distributed import FusedDataParallel
     from tfuse.optim import FusedMomentum
@@ -253,7 +284,7 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: st
     try:
         shapes = tiny_shapes() if quick else resnet50_shapes()
         rounds, iterations = (3, 2) if quick else (7, 3)
-        configs = _sync_configs(shapes, device) + _cnn_configs(device, quick)
+        configs = _sync_configs(shapes, device) + _cnn_configs(device, quick) + _hook_configs(device)
         if backend == "gloo":
             configs.append(_canary(device))
         samples = _time_configs(configs, device, rounds, iterations)
@@ -295,6 +326,8 @@ def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> N
     A rank runs one torch thread on a CPU, so its canary copy is set against the
     same copy on one thread measured at the start.
     """
+    if len({row["label"] for row in rows}) != len(rows):
+        raise ValueError("allreduce benchmark: two configurations share a label")  # the timings are keyed by it
     timings = {row["label"]: Timing(tuple(row.pop("samples"))) for row in rows}
     stall = None
     canary = next((row for row in rows if row["label"] == CANARY), None)
@@ -313,6 +346,9 @@ def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> N
     baseline = {row["panel"]: row for row in rows if row["calls"] == 0}
     ddp = {"resnet50-sync": by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}"],
            "cnn-step": by_label.get(DDP_FUSED_SGD) or by_label[f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}, torch SGD"]}
+    hook_rows = [row for row in rows if row["panel"] == "hook-cost"]
+    if hook_rows:
+        ddp["hook-cost"] = next(row for row in hook_rows if row["label"].startswith("torch DDP"))
     for row in rows:
         if row["calls"] == 0:
             row["sync_ms"] = row["vs_ddp"] = None
@@ -345,10 +381,18 @@ def run(ctx: Context) -> Report:
     result = _launch(backend, ctx.quick)
     rows = result["rows"]
     _finish(rows, ctx.stall_reference_gbps)
-    ddp_sync = next(row["ms"] for row in rows if row["label"] == f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}")
+    ddp_sync = next(
+        row["ms"] for row in rows if row["label"] == f"torch DDP bucket_cap_mb={DDP_BUCKET_MB}" and row["panel"] == "resnet50-sync"
+    )
     shapes = "tiny shapes (--quick)" if ctx.quick else "ResNet-50"
     for row in rows:
-        row["what"] = f"{shapes} gradients, cheap forward" if row["panel"] == "resnet50-sync" else "small CNN training step"
+        row["what"] = {
+            "resnet50-sync": f"{shapes} gradients, cheap forward",
+            "cnn-step": "small CNN training step",
+            "hook-cost": f"per-gradient host cost, {HOOK_PARAMS} x {HOOK_NUMEL}-element parameters",
+        }[row["panel"]]
+        sync = row.get("sync_ms")
+        row["us_per_grad"] = sync * 1e3 / HOOK_PARAMS if row["panel"] == "hook-cost" and sync is not None else None
     notes = [
         f"{WORLD_SIZE} ranks, {backend}"
         + (", one GPU each." if backend == "nccl" else f", one process each on this {os.cpu_count()}-core CPU "
@@ -364,6 +408,9 @@ def run(ctx: Context) -> Report:
         f"{result['iterations']} steps, ± half the interquartile range relative to it, rounds cycling through all "
         "configurations from a different start each (so drift on a shared machine hits them all alike). "
         "calls = all-reduce calls per step (DDP: its buckets after the rebuild).",
+        f"Per-gradient rows: {HOOK_PARAMS} parameters of {HOOK_NUMEL} elements (one bucket, a 12.8 KB all-reduce), so "
+        "that a step is mostly per-tensor work; us/grad = (step - backward only) / parameters: what the wrapper "
+        "spends per gradient (DDP in C++, tfuse in one Python hook), plus the one small all-reduce.",
         "vs DDP = step time / the DDP row of the same block (below 1: faster than DDP): DDP bucket_cap_mb="
         f"{DDP_BUCKET_MB} for the sync rows, DDP with torch's fused SGD for the CNN rows.",
     ]
@@ -377,7 +424,7 @@ def run(ctx: Context) -> Report:
     columns = [
         Column("what", "what"), Column("label", "configuration"), Column("calls", "all-reduce calls"),
         Column("ms", "step ms", "{:.1f}", spread=True), Column("sync_ms", "sync ms", "{:.1f}"),
-        Column("vs_ddp", "vs DDP", "{:.2f}x"), CHECK_COLUMN,
+        Column("us_per_grad", "us/grad", "{:.1f}"), Column("vs_ddp", "vs DDP", "{:.2f}x"), CHECK_COLUMN,
     ]
     plotted = [dict(row, plot=bool(row["sweep"])) for row in rows]
     return Report(
