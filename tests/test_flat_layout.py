@@ -157,3 +157,23 @@ def test_the_grad_receiver_gets_each_gradient_and_passes_the_divisor(device):
     reference(x).sum().backward()
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_training_steps_look_nothing_up(monkeypatch, device):
+    """The optimizer binds to its FlatParams once; steps and clipping use the FlatParams they were handed."""
+    from tfuse.optim import FusedAdam, clip_grad_norm_
+
+    model = mixed_model(device)
+    flat = FlatParams(model)
+    optimizer = FusedAdam(model.parameters(), lr=1e-3)  # finds the FlatParams its parameters live in, once
+    assert optimizer.flat_params == (flat,)
+    lookups = []
+    holds = FlatParams.holds
+    monkeypatch.setattr(FlatParams, "holds", lambda self, param: lookups.append(param) or holds(self, param))
+    x = torch.randn(3, 7, device=device)
+    for _ in range(3):
+        model[2](model[0](x)).sum().backward()
+        clip_grad_norm_(optimizer, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert lookups == []
