@@ -79,11 +79,15 @@ class _Buffer:
     buffer order), their :class:`FlatState` and the cached step plans.
     """
 
-    def __init__(self, flat: FlatParams, group: FlatGroup, master_weights: bool) -> None:
+    def __init__(
+        self, flat: FlatParams, group: FlatGroup, master_weights: bool, span: tuple[int, int] | None = None
+    ) -> None:
         self.flat = flat
         self.device, self.dtype = group.device, group.dtype
         self.master_weights = master_weights and group.dtype in LOW_PRECISION
-        self.state = FlatState(group, master_weights=self.master_weights)
+        # span: the element range this optimizer updates (a shard owner's share); None: the whole buffer.
+        start, end = (0, None) if span is None else span
+        self.state = FlatState(group, start, end, master_weights=self.master_weights)
         # Parameter offsets are multiples of this many elements (capped: 16 is enough for 128-bit accesses).
         self.align = min(MAX_ALIGN, max(1, flat.align_bytes // group.data.element_size()))
         self.layout_version = flat.layout_version
@@ -103,10 +107,14 @@ class _Buffer:
         self._place()
 
     def _place(self) -> None:
+        # Member ranges are relative to the state's range and clipped to it (a shard owner updates the
+        # part of a straddling parameter inside its shard; a parameter outside it gets an empty range).
+        lo, hi = self.state.start, self.state.end
         for member in self.members:
             where = self.flat.range_of(member.param)  # the layout, as the FlatParams states it
             member.index = self.state.index_of(member.param)
-            member.start, member.end = where.start, where.end
+            member.start = min(max(where.start, lo), hi) - lo
+            member.end = min(max(where.end, lo), hi) - lo
         self.members.sort(key=lambda m: m.index)
         self.params = [m.param for m in self.members]
         self.plans.clear()

@@ -1,0 +1,268 @@
+"""What each rank runs in the multi-process ShardedOptimizer tests (see test_sharded.py).
+
+Every scenario is a module-level function ``(rank, world_size, **kwargs) -> dict``
+so that spawned ranks can import it. References are independent of tfuse:
+torch.optim's own classes stepping an uncoalesced copy of the model in one
+process on the whole batch (the ranks' losses averaged). Models are float64
+so that the comparisons can be tight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import tfuse
+
+from tfuse.distributed import FusedDataParallel, ShardedOptimizer
+from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum
+
+BATCH = 4  # rows per rank
+STEPS = 3
+
+# name -> (fused class, torch class, arguments, ShardedOptimizer's collective modes)
+OPTIMIZERS = {
+    "momentum": (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                 dict(reduce="reduce_scatter", gather="broadcast")),
+    "adam": (FusedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.01, amsgrad=True), dict()),
+    "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), dict(reduce="all_reduce")),
+}
+
+
+def model() -> torch.nn.ModuleDict:
+    """The same model on every rank: a body used everywhere, and layers whose gradients are sometimes None."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(dict(
+        body=torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 7), torch.nn.Tanh(),
+                                 torch.nn.Linear(7, 3)),
+        late=torch.nn.Linear(6, 5),  # used from the second step on: its state starts late
+        rank0=torch.nn.Linear(6, 4),  # used on rank 0 only: a gradient on some ranks
+        unused=torch.nn.Linear(6, 2),  # never used: None on every rank, skipped
+    )).double()
+
+
+def batches(world: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1234)
+    return [(torch.randn(world * BATCH, 6, generator=generator, dtype=torch.float64),
+             torch.randn(world * BATCH, 3, generator=generator, dtype=torch.float64)) for _ in range(steps)]
+
+
+def rank_loss(net: torch.nn.ModuleDict, batch, rank: int, step: int) -> torch.Tensor:
+    x, y = batch[0][rank * BATCH : (rank + 1) * BATCH], batch[1][rank * BATCH : (rank + 1) * BATCH]
+    loss = torch.nn.functional.mse_loss(net["body"](x), y)
+    if step >= 1:
+        loss = loss + net["late"](x).pow(2).mean()
+    if rank == 0:
+        loss = loss + net["rank0"](x).pow(2).mean()
+    return loss
+
+
+def params_of(net: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _updates_here(opt: ShardedOptimizer) -> bool:
+    """Whether this rank's shard holds a part of a parameter that gets a gradient (the body's first layer)."""
+    flat = opt.flat_params[0]
+    shard = flat.shards(opt.world_size)[0][opt.rank]
+    return any(p is not None and p.grad is not None for p, _, _ in shard.ranges)
+
+
+def straddles(opt: ShardedOptimizer) -> int:
+    """How many parameters cross a shard boundary (the test wants some)."""
+    count = 0
+    for flat in opt.flat_params:
+        for shards in flat.shards(opt.world_size):
+            bounds = {s.start for s in shards[1:]}
+            count += sum(any(r.start < b < r.end for b in bounds) for r in flat.ranges() if r.trainable)
+    return count
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def trajectory(rank: int, world: int, name: str, clip: float | None = None, backend: str | None = None) -> dict:
+    """Several steps sharded == torch.optim on one process over the whole batch: parameters and state.
+
+    ``clip``: gradients clipped to that total norm first (ShardedOptimizer.clip_grad_norm_ against torch's).
+    ``backend``: forces the update's path (default: the Triton kernel, through the interpreter on CPU).
+    """
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(tfuse.use_backend(backend))
+        return _trajectory(rank, world, name, clip)
+
+
+def _trajectory(rank: int, world: int, name: str, clip: float | None) -> dict:
+    fused, torch_class, args, modes = OPTIMIZERS[name]
+    net, reference = model(), model()
+    opt = ShardedOptimizer(net.parameters(), fused, **modes, **args)
+    ref_opt = torch_class(reference.parameters(), foreach=False, **args)
+    sharded_steps, reference_steps, norms, launches = [], [], [], []
+    for step, batch in enumerate(batches(world)):
+        opt.zero_grad()
+        rank_loss(net, batch, rank, step).backward()
+        ref_opt.zero_grad()
+        (sum(rank_loss(reference, batch, r, step) for r in range(world)) / world).backward()
+        if clip is not None:
+            norms.append((opt.clip_grad_norm_(clip), torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
+        with tfuse.count_launches() as launched:
+            opt.step()
+        launches.append(launched.total)
+        ref_opt.step()
+        sharded_steps.append(params_of(net))
+        reference_steps.append(params_of(reference))
+    consolidated = opt.consolidated_state_dict(to=0)
+    return {
+        "params": sharded_steps, "reference": reference_steps,
+        "state": None if consolidated is None else consolidated["state"],
+        "reference_state": ref_opt.state_dict()["state"],
+        "modes": (opt.reduce_mode, opt.gather_mode), "straddles": straddles(opt), "norms": norms,
+        "launches": launches, "updates_here": _updates_here(opt),
+    }
+
+
+def grad_scaler(rank: int, world: int) -> dict:
+    """GradScaler: inf on the last rank only at step 1 makes every rank skip it; the others match torch."""
+    net, reference = model(), model()
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=0.01)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    skipped = []
+    for step, batch in enumerate(batches(world)):
+        opt.zero_grad()
+        scaler.scale(rank_loss(net, batch, rank, step)).backward()
+        if step == 1 and rank == world - 1:
+            net["body"][0].weight.grad[0, 0] = float("inf")
+        before = params_of(net)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, params_of(net))))
+        if step != 1:
+            ref_opt.zero_grad()
+            (sum(rank_loss(reference, batch, r, step) for r in range(world)) / world).backward()
+            ref_opt.step()
+    return {"skipped": skipped, "params": params_of(net), "reference": params_of(reference)}
+
+
+def data_parallel(rank: int, world: int) -> dict:
+    """Under FusedDataParallel (the wrapper passed as params): still torch.optim on the whole batch."""
+    wrapped = FusedDataParallel(model()["body"], bucket_mb=None)
+    reference = model()["body"]
+    opt = ShardedOptimizer(wrapped, FusedAdam, lr=0.01, weight_decay=0.01)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
+    for batch in batches(world):
+        x, y = batch
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(x[rank * BATCH : (rank + 1) * BATCH]),
+                                     y[rank * BATCH : (rank + 1) * BATCH]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    return {"params": params_of(wrapped), "reference": params_of(reference),
+            "same_flat": opt.flat_params == (wrapped.flat,)}
+
+
+def memory(rank: int, world: int) -> dict:
+    """Optimizer-state bytes per rank against the unsharded fused optimizer's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 33), torch.nn.Linear(33, 5))
+    whole = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 33), torch.nn.Linear(33, 5))
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=1e-3)
+    unsharded = FusedAdam(whole.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+    for module, optimizer in ((net, opt), (whole, unsharded)):
+        module(x).sum().backward()
+        optimizer.step()
+    unsharded_bytes = sum(t.numel() * t.element_size() for b in unsharded._buffers for t in b.state.buffers.values())
+    shard = opt.flat_params[0].shards(world)[0][rank]
+    return {"sharded": opt.state_bytes(), "unsharded": unsharded_bytes, "shard_numel": shard.numel}
+
+
+def save(rank: int, world: int) -> dict:
+    """Trains Adam (amsgrad) a few steps; returns the consolidated (rank 0) and sharded state dicts."""
+    net = model()
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=0.01, amsgrad=True)
+    for step, batch in enumerate(batches(world)):
+        opt.zero_grad()
+        rank_loss(net, batch, rank, step).backward()
+        opt.step()
+    return {"consolidated": opt.consolidated_state_dict(to=0), "sharded": opt.state_dict(), "params": params_of(net)}
+
+
+def reload(rank: int, world: int, consolidated: dict, sharded: list[dict]) -> dict:
+    """Loads a consolidated dict saved at another world size; a sharded one of that world size must fail."""
+    net = model()
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=0.5, amsgrad=True)
+    opt.load_state_dict(consolidated)
+    again = opt.consolidated_state_dict(to=0)
+    error = None
+    try:
+        opt.load_state_dict(sharded[rank % len(sharded)])
+    except ValueError as caught:
+        error = str(caught)
+    net2 = model()  # another layout at the same world size (a layer fewer)
+    del net2["unused"]
+    other = ShardedOptimizer(net2.parameters(), FusedAdam, lr=0.01, amsgrad=True)
+    layout_error = None
+    try:
+        other.load_state_dict(_rank_dict(opt))
+    except ValueError as caught:
+        layout_error = str(caught)
+    # Training goes on from the loaded state (the lr comes from the checkpoint, as in torch).
+    for step, batch in enumerate(batches(world, 1)):
+        opt.zero_grad()
+        rank_loss(net, batch, rank, step + 1).backward()
+        opt.step()
+    return {"again": again, "error": error, "layout_error": layout_error, "lr": opt.param_groups[0]["lr"],
+            "after": opt.consolidated_state_dict(to=0), "params": params_of(net)}
+
+
+def _rank_dict(opt: ShardedOptimizer) -> dict:
+    return opt.state_dict()
+
+
+def killed_rank(rank: int, world: int) -> dict:
+    """The last rank dies in the middle of training; the others must raise, not hang."""
+    net = model()
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=0.01)
+    for step, batch in enumerate(batches(world, 4)):
+        if step == 2 and rank == world - 1:
+            os._exit(17)  # no clean-up, like a crash
+        opt.zero_grad()
+        rank_loss(net, batch, rank, step).backward()
+        opt.step()
+    return {"finished": True}
+
+
+SUITE = {
+    "momentum": lambda rank, world: trajectory(rank, world, "momentum"),
+    "adam": lambda rank, world: trajectory(rank, world, "adam"),
+    "adamw": lambda rank, world: trajectory(rank, world, "adamw"),
+    "adam_torch_path": lambda rank, world: trajectory(rank, world, "adam", backend="torch"),
+    "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),
+    "grad_scaler": grad_scaler,
+    "data_parallel": data_parallel,
+    "memory": memory,
+    "save": save,
+}
+
+
+def run_suite(rank: int, world: int, names: list[str], reload_from: dict | None = None) -> dict:
+    """Runs the named scenarios one after another in one process group (ranks start once)."""
+    results = {}
+    calls = {name: (lambda r, w, n=name: SUITE[n](r, w)) for name in names}
+    if reload_from is not None:
+        calls["reload"] = lambda r, w: reload(r, w, **reload_from)
+    for name, call in calls.items():
+        try:
+            results[name] = {"value": call(rank, world)}
+        except Exception as error:  # noqa: BLE001 - reported by the test of that scenario
+            results[name] = {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}
+        dist.barrier()  # a scenario that failed on one rank must not pair its collectives with the next one's
+    return results

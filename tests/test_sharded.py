@@ -1,0 +1,203 @@
+"""tfuse.distributed.ShardedOptimizer on real gloo process groups (1, 2 and 3 ranks on localhost).
+
+The scenarios (tests/sharded_scenarios.py) run inside spawned ranks; to keep
+CI lean, one process group per world size runs all of them once (module
+fixtures) and each test checks its scenario's results. Checkpoints travel
+2 -> 3 -> 1 ranks through those fixtures. Every group is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helpers import run_world
+from sharded_scenarios import OPTIMIZERS, killed_rank, model, run_suite
+
+from tfuse.distributed import ShardedOptimizer
+from tfuse.optim import FusedAdam
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64; only the summation order differs from the references
+EXACT = dict(rtol=0, atol=0)
+
+
+def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
+    outcomes = run_world(run_suite, world, timeout=240, pg_timeout_s=60, names=names, **kwargs)
+    return [outcome.unwrap() for outcome in outcomes]
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return _suite(2, ["momentum", "adam", "adamw", "adam_torch_path", "clip", "grad_scaler", "data_parallel", "memory", "save"])
+
+
+@pytest.fixture(scope="module")
+def world3(world2) -> list[dict]:
+    saved = scenario(world2, "save")
+    reload_from = {"consolidated": saved[0]["consolidated"], "sharded": [r["sharded"] for r in saved]}
+    return _suite(3, ["momentum", "adam", "clip", "memory"], reload_from=reload_from)
+
+
+@pytest.fixture(scope="module")
+def world1(world2, world3) -> list[dict]:
+    after = scenario(world3, "reload")[0]["after"]
+    saved = scenario(world2, "save")
+    return _suite(1, [], reload_from={"consolidated": after, "sharded": [r["sharded"] for r in saved]})
+
+
+@pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
+def world(request) -> list[dict]:
+    return request.getfixturevalue(f"world{request.param}")
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's result of a scenario; fails with the rank's traceback if it raised."""
+    values = []
+    for rank, results in enumerate(ranks):
+        outcome = results[name]
+        if "error" in outcome:
+            pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{outcome['error']}")
+        values.append(outcome["value"])
+    return values
+
+
+def assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
+    """Two torch.optim-format ``state`` dicts: the same parameters, names and values, element by element."""
+    assert sorted(actual) == sorted(expected)
+    for key in expected:
+        assert sorted(actual[key]) == sorted(expected[key]), key
+        for name, value in expected[key].items():
+            torch.testing.assert_close(actual[key][name], value, **tolerance, msg=f"parameter {key}, {name}")
+            if value.dim():
+                assert actual[key][name].shape == value.shape
+
+
+# --------------------------------------------------------------------------- trajectories
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "adam_torch_path"])
+def test_parameters_and_state_follow_torch_optim_on_the_whole_batch(world, name):
+    if name not in world[0]:
+        pytest.skip("run on 2 ranks only (CI time)")
+    ranks = scenario(world, name)
+    for result in ranks:
+        for step, (sharded, reference) in enumerate(zip(result["params"], result["reference"])):
+            for index, (a, e) in enumerate(zip(sharded, reference)):
+                torch.testing.assert_close(a, e, **TIGHT, msg=f"step {step}, parameter {index}")
+        torch.testing.assert_close(result["params"], ranks[0]["params"], **EXACT)  # replicas bit-identical
+        assert result["straddles"] > 0  # some parameter is updated piecewise by two owners
+        if name.endswith("torch_path"):
+            assert result["launches"] == [0] * 3  # torch's fused kernels, no Triton launch
+        elif result["updates_here"]:
+            assert result["launches"] == [1] * 3  # one fused update launch over the shard per step
+    first, last = ranks[0]["params"][0], ranks[0]["params"][-1]
+    assert all(not torch.equal(a, b) for a, b in zip(first[:-2], last[:-2]))  # everything used trained
+    assert torch.equal(first[-1], model()["unused"].bias.detach())  # the unused layer (None everywhere) did not
+    assert ranks[1]["state"] is None  # consolidated on rank 0 only
+    state, reference = ranks[0]["state"], ranks[0]["reference_state"]
+    assert len(state) == len(reference) == 10  # every parameter but the unused layer's two
+    assert_states_equal(state, reference, **TIGHT)
+
+
+def test_clip_grad_norm_on_the_shards_equals_torchs_on_the_whole_batch(world):
+    ranks = scenario(world, "clip")
+    for result in ranks:
+        assert len(result["norms"]) == 3
+        for sharded, reference in result["norms"]:
+            torch.testing.assert_close(sharded, reference, **TIGHT)
+            assert float(reference) > 0.05  # the clip really scaled the gradients
+        for sharded, reference in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(sharded, reference, **TIGHT)
+    assert_states_equal(ranks[0]["state"], ranks[0]["reference_state"], **TIGHT)
+
+
+def test_an_inf_on_one_rank_makes_every_rank_skip_the_step_under_grad_scaler(world2):
+    for result in scenario(world2, "grad_scaler"):
+        assert result["skipped"] == [False, True, False]
+        for sharded, reference in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(sharded, reference, **TIGHT)  # the scale is divided out exactly
+
+
+def test_the_fused_data_parallel_wrapper_as_params(world2):
+    for result in scenario(world2, "data_parallel"):
+        assert result["same_flat"]  # sharded over the wrapper's own flat buffers
+        for sharded, reference in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(sharded, reference, **TIGHT)
+
+
+def test_auto_modes_on_gloo_and_the_overrides(world2):
+    assert scenario(world2, "adam")[0]["modes"] == ("reduce", "all_gather")
+    assert scenario(world2, "momentum")[0]["modes"] == ("reduce_scatter", "broadcast")
+    assert scenario(world2, "adamw")[0]["modes"] == ("all_reduce", "all_gather")
+
+
+def test_state_bytes_per_rank_are_a_world_size_share(world):
+    ranks = scenario(world, "memory")
+    size = len(ranks)
+    for result in ranks:
+        assert result["sharded"] == 2 * result["shard_numel"] * 4  # exp_avg and exp_avg_sq of its shard, float32
+        assert result["sharded"] <= result["unsharded"] / size * 1.05, (result, size)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_every_adam_moment_survives_two_to_three_to_one_ranks(world2, world3, world1):
+    saved = scenario(world2, "save")[0]["consolidated"]
+    assert saved is not None and all("max_exp_avg_sq" in entry for entry in saved["state"].values())
+    at3 = scenario(world3, "reload")
+    assert_states_equal(at3[0]["again"]["state"], saved["state"], **EXACT)  # 2 -> 3: element by element
+    after = at3[0]["after"]
+    assert at3[0]["lr"] == 0.01  # hyperparameters come from the checkpoint, as in torch
+    assert all(float(after["state"][k]["step"]) == float(saved["state"][k]["step"]) + 1 for k in saved["state"])
+    at1 = scenario(world1, "reload")
+    assert_states_equal(at1[0]["again"]["state"], after["state"], **EXACT)  # 3 -> 1
+
+
+def test_a_consolidated_state_dict_loads_into_fused_adam_and_torch_adam(world3):
+    after = scenario(world3, "reload")[0]["after"]
+    for cls in (FusedAdam, torch.optim.Adam):
+        net = model()
+        opt = cls(net.parameters(), lr=0.5, amsgrad=True)
+        opt.load_state_dict(after)
+        state = opt.state_dict()["state"]
+        assert_states_equal({k: {n: v for n, v in e.items()} for k, e in state.items()}, after["state"], **EXACT)
+
+
+def test_a_sharded_state_dict_at_another_world_size_or_layout_fails_on_every_rank(world3, world1):
+    for ranks, size in ((world3, 3), (world1, 1)):
+        for result in scenario(ranks, "reload"):
+            assert result["error"] is not None
+            assert f"saved with world_size 2, this optimizer has world_size {size}" in result["error"]
+            assert "consolidated" in result["error"]
+    for result in scenario(world3, "reload"):
+        assert result["layout_error"] is not None and "has another" in result["layout_error"]
+
+
+# --------------------------------------------------------------------------- faults and bad input
+
+
+def test_a_killed_rank_makes_the_others_raise():
+    outcomes = run_world(killed_rank, 2, timeout=120, pg_timeout_s=30)
+    assert not outcomes[1].exited
+    assert outcomes[0].error is not None, "the surviving rank finished as if nothing happened"
+
+
+def test_bad_arguments_are_refused_naming_them():
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="optimizer_class must be a tfuse fused optimizer class"):
+        ShardedOptimizer(layer.parameters(), torch.optim.Adam)
+    with pytest.raises(ValueError, match="master_weights=True is not supported"):
+        ShardedOptimizer(layer.parameters(), FusedAdam, master_weights=True)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got int"):
+        ShardedOptimizer(layer.parameters(), FusedAdam, process_group=3)
+    with pytest.raises(ValueError, match="reduce must be one of .*got 'scatter'"):
+        ShardedOptimizer(layer.parameters(), FusedAdam, reduce="scatter")
+    with pytest.raises(ValueError, match="gather must be one of .*got 'gossip'"):
+        ShardedOptimizer(layer.parameters(), FusedAdam, gather="gossip")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+            ShardedOptimizer(layer.parameters(), FusedAdam)

@@ -1,0 +1,408 @@
+"""ShardedOptimizer: a fused optimizer whose state is split across ranks (ZeRO stage 1).
+
+Every flat parameter buffer is cut into world-size equal, aligned shards
+(:meth:`tfuse.flat.FlatParams.shards`); rank ``r`` owns shard ``r`` of each
+buffer and keeps optimizer state for those elements only, so state memory
+per rank is about ``1/world_size`` of the unsharded optimizer's. A step:
+
+1. ranks agree which parameters have a gradient (one small all-reduce);
+2. each gradient buffer is averaged into its owners (divided by the world
+   size, then a reduce-scatter on NCCL, one reduce per shard elsewhere);
+3. each owner runs the fused update over its shard, with the same update
+   functions as the unsharded optimizer (:func:`tfuse.optim._update.update`);
+   a parameter straddling two shards is updated piecewise by both owners;
+4. every buffer's updated shards are gathered back into every rank's
+   parameter buffer (one all-gather per buffer), in the same order everywhere.
+
+Checkpoints are in :mod:`tfuse.distributed._sharded_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tfuse._backend import select_backend
+from tfuse.distributed import _sharded_checkpoint as checkpoint
+from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
+from tfuse.distributed.data_parallel import FusedDataParallel
+from tfuse.flat import FlatParams, Shard
+from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member
+from tfuse.optim._update import update
+
+logger = logging.getLogger(__name__)
+
+
+class _ShardedBuffer:
+    """One flat buffer as a shard owner sees it: its shards and the optimizer's view of this rank's shard."""
+
+    def __init__(self, buffer: _Buffer, index: int, shards: list[Shard], rank: int) -> None:
+        self.buffer = buffer  # a _Buffer restricted to shards[rank] (state, member ranges, step plans)
+        self.index = index  # the buffer's index in its FlatParams' groups
+        self.shards = shards
+        self.shard = shards[rank]
+
+    @property
+    def flat(self) -> FlatParams:
+        return self.buffer.flat
+
+    @property
+    def group(self):  # the FlatGroup
+        return self.buffer.state.group
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """A tfuse fused optimizer whose state and update work are split across ranks (ZeRO stage 1).
+
+    Shaped like torch's ``ZeroRedundancyOptimizer``: give it the parameters,
+    the fused optimizer class and that class's arguments. Every rank must
+    hold the same model (same values; e.g. build it from the same seed or
+    broadcast it) and call :meth:`step` together.
+
+    Args:
+        params: parameters or parameter groups, as for torch.optim, or a
+            :class:`~tfuse.flat.FlatParams` (e.g. ``FusedDataParallel.flat``).
+        optimizer_class: :class:`~tfuse.optim.FusedSGD`, :class:`~tfuse.optim.FusedMomentum`,
+            :class:`~tfuse.optim.FusedAdam` or :class:`~tfuse.optim.FusedAdamW`.
+        process_group: the ranks to shard over (None: the default group).
+        reduce: how gradients reach their owners: ``"auto"`` (reduce-scatter
+            on NCCL, one reduce per shard elsewhere), ``"reduce_scatter"``,
+            ``"reduce"`` or ``"all_reduce"``.
+        gather: how updated parameters come back: ``"auto"``/``"all_gather"``
+            (one all-gather per buffer) or ``"broadcast"`` (one broadcast per shard).
+        **defaults: the optimizer class's arguments (``lr``, ``betas``, ...).
+
+    Gradients: each rank's gradients are averaged over the ranks (divided by
+    the world size before summing, as DDP and FusedDataParallel do), so do
+    not also wrap the model in a data-parallel wrapper that all-reduces them.
+    A parameter whose gradient is None on every rank is skipped, as torch
+    skips it; one with a gradient on some ranks only is stepped with the
+    others counting zero. After :meth:`step` the gradient buffers hold
+    partial sums outside this rank's shard (what the reduction left there).
+    Under :class:`~tfuse.distributed.FusedDataParallel` (pass the wrapper or
+    its ``flat``) the wrapper has averaged them already and the reduction
+    here averages equal values: right, but twice the traffic (a wrapper
+    mode that sends gradients straight to their owners is not built yet).
+
+    Clipping: :meth:`clip_grad_norm_` (the norm of the sharded gradients,
+    one scalar all-reduce). ``torch.amp.GradScaler`` works as with the fused
+    optimizers: its ``found_inf`` is agreed across ranks (carried by the
+    step's flag all-reduce), so a step with inf/NaN on any rank is skipped on
+    every rank; each rank divides its own scale out before the reduction.
+    ``master_weights`` is not supported yet.
+
+    Example (on each of ``world_size`` ranks, after ``dist.init_process_group``):
+        >>> import torch
+        >>> from tfuse.distributed import ShardedOptimizer
+        >>> from tfuse.optim import FusedAdam
+        >>> torch.manual_seed(0); model = torch.nn.Linear(4, 2)  # doctest: +SKIP
+        >>> optimizer = ShardedOptimizer(model.parameters(), FusedAdam, lr=1e-3)  # doctest: +SKIP
+        >>> model(torch.randn(8, 4)).sum().backward()  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> optimizer.state_bytes()  # this rank's share of the Adam moments  # doctest: +SKIP
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type[FlatOptimizer],
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        reduce: str = "auto",
+        gather: str = "auto",
+        **defaults: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, FlatOptimizer)):
+            raise TypeError(
+                "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
+                f"FusedAdam, FusedAdamW), got {optimizer_class!r}"
+            )
+        if defaults.get("master_weights"):
+            raise ValueError("ShardedOptimizer: master_weights=True is not supported yet")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(process_group).__name__}"
+            )
+        check_modes(reduce, gather)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer: torch.distributed is not initialized (call init_process_group first)")
+        self.process_group = process_group
+        self.reduce_mode, self.gather_mode = resolve_modes(reduce, gather, process_group)
+        self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise ValueError("ShardedOptimizer: this process is not a member of process_group")
+        self.world_size = dist.get_world_size(process_group)
+        if isinstance(params, FusedDataParallel):
+            params = params.flat
+        # The fused optimizer checks the arguments, binds the parameters to flat buffers and turns groups into
+        # update rows; it never steps, so it allocates no state (state is created at a parameter's first step).
+        self.optim = optimizer_class(params, **defaults)
+        self._constructing = True
+        super().__init__(self.optim.param_groups, self.optim.defaults)
+        self._constructing = False
+        self.param_groups = self.optim.param_groups  # one set of groups: LR schedulers change the inner one
+        self._buffers = self._shard_buffers()
+        self._layouts = [b.flat.layout_version for b in self._buffers]
+        self._pending: list[tuple[bool, ...]] | None = None  # gradients already reduced (by clip_grad_norm_)
+        logger.info(
+            "ShardedOptimizer: %s over %d ranks, %d flat buffer(s), reduce=%s, gather=%s",
+            optimizer_class.__name__,
+            self.world_size,
+            len(self._buffers),
+            self.reduce_mode,
+            self.gather_mode,
+        )
+
+    def _shard_buffers(self) -> list[_ShardedBuffer]:
+        for flat in self.optim.flat_params:
+            flat.shards(self.world_size)  # pads (lays out again) first if the buffers do not split evenly yet
+        result = []
+        for inner in self.optim._buffers:
+            flat = inner.flat
+            index = next(i for i, g in enumerate(flat.groups) if g.device == inner.device and g.dtype == inner.dtype)
+            shards = flat.shards(self.world_size)[index]
+            if not shards:
+                continue  # no trainable parameter in this buffer: nothing to update
+            mine = shards[self.rank]
+            buffer = _Buffer(flat, flat.groups[index], False, span=(mine.start, mine.end))
+            buffer.set_members([_Member(m.param, m.group) for m in inner.members])
+            result.append(_ShardedBuffer(buffer, index, shards, self.rank))
+        return result
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the shards are laid out once (create a new ShardedOptimizer)."""
+        if getattr(self, "_constructing", False):
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError("ShardedOptimizer: add_param_group is not supported; create the optimizer with every group")
+
+    @property
+    def flat_params(self) -> tuple[FlatParams, ...]:
+        """The FlatParams whose buffers are sharded."""
+        return self.optim.flat_params
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shards of the state buffers)."""
+        return sum(t.numel() * t.element_size() for b in self._buffers for t in b.buffer.state.buffers.values())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's ``Optimizer.zero_grad`` (one op per flat buffer)."""
+        self._pending = None
+        self.optim.zero_grad(set_to_none)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Reduces gradients to their owners, updates this rank's shards, gathers the parameters back.
+
+        Args:
+            closure: reevaluates the model and returns the loss (as in torch.optim).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Set by torch.amp.GradScaler (see _step_supports_amp_scaling); absent otherwise.
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        if self._pending is None:
+            active, skip = self._reduce_grads(grad_scale, found_inf)
+            grad_scale = None  # unscaled before the reduction
+        else:  # clip_grad_norm_ reduced them already (after GradScaler.unscale_, grad_scale is None)
+            active, skip = self._pending, found_inf is not None and self._agree_on_inf(found_inf)
+        self._pending = None
+        if skip:
+            return loss  # inf/NaN in some rank's gradients: every rank skips the step, nothing changes
+        stepped = []
+        for sharded, on in zip(self._buffers, active):
+            if any(on):  # (agreed on every rank)
+                self._update(sharded, on, grad_scale)
+                stepped.append(sharded)
+        for sharded in stepped:  # the same buffers, in the same order, on every rank
+            gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
+        return loss
+
+    def _reduce_grads(
+        self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+    ) -> tuple[list[tuple[bool, ...]], bool]:
+        """Averages every gradient buffer into its shards' owners.
+
+        Returns which members have a gradient (per buffer), and whether some
+        rank found inf/NaN (GradScaler's ``found_inf``; nothing is reduced then).
+        Each rank divides out its own ``grad_scale`` before the sum, so ranks
+        whose scalers drifted apart still add unscaled gradients.
+        """
+        for flat in self.flat_params:
+            flat.sync_grads()
+        self._check_layout()
+        active, adopted, skip = self._agree_on_grads(found_inf)
+        if skip:
+            return active, True
+        for sharded, on, missing in zip(self._buffers, active, adopted):
+            if not any(on):
+                continue  # no parameter of the buffer has a gradient on any rank (agreed): no collective
+            grad = sharded.group.grad
+            grad.div_(self.world_size)  # average: divide before summing, as DDP does
+            if grad_scale is not None:
+                grad.div_(grad_scale.to(grad.device, grad.dtype))
+            reduce_to_owners(grad, sharded.shards, self.reduce_mode, self.process_group)
+            for param in missing:
+                # Its slot now holds the reduction's result, not zeros: the parameter gets it as its gradient
+                # (as DDP gives an unused parameter the average), and FlatParams knows the slot is written.
+                sharded.flat.attach_grad(param)
+        return active, False
+
+    def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
+        """Whether any rank's GradScaler found inf/NaN (one scalar all-reduce)."""
+        flag = (found_inf.detach().float().sum() > 0).to(torch.int32).reshape(1).cpu()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clips the averaged gradients by their total norm, as ``torch.nn.utils.clip_grad_norm_`` would.
+
+        Call it on every rank between backward and :meth:`step`: it reduces
+        the gradients to their owners now (:meth:`step` then does not again),
+        each owner takes the norm of its shard, and one scalar all-reduce
+        makes the total. Returns the total norm (of the averaged gradients).
+
+        Example (every rank):
+            >>> optimizer.clip_grad_norm_(1.0)  # doctest: +SKIP
+            >>> optimizer.step()  # doctest: +SKIP
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"ShardedOptimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
+        if self._pending is None:
+            self._pending, _ = self._reduce_grads()  # (no GradScaler flag here: step agrees on it)
+        pieces = []
+        for sharded, on in zip(self._buffers, self._pending):
+            grad = sharded.group.grad[sharded.shard.start : sharded.shard.end]
+            # Only the members with a gradient: slots of the others may hold stale values (they are not stepped).
+            pieces += [
+                grad[m.start : m.end] for m, active in zip(sharded.buffer.members, on) if active and m.end > m.start
+            ]
+        dtype = self._buffers[0].group.dtype if self._buffers else torch.float32
+        if norm_type == 2.0:
+            local = sum(
+                (torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 for p in pieces),
+                torch.zeros((), dtype=torch.float64),
+            )
+            dist.all_reduce(local, group=self.process_group)
+            total = local.sqrt()
+        else:
+            local = max(
+                (p.abs().max().double() for p in pieces if p.numel()), default=torch.zeros((), dtype=torch.float64)
+            )
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local
+        total = total.to(dtype)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, in the gradients' dtype
+        if pieces:
+            torch._foreach_mul_(pieces, coefficient)
+        return total
+
+    def _check_layout(self) -> None:
+        for sharded, version in zip(self._buffers, self._layouts):
+            if sharded.flat.layout_version != version:
+                raise RuntimeError(
+                    "ShardedOptimizer: the flat buffers were laid out again (a parameter's requires_grad changed); "
+                    "create a new ShardedOptimizer"
+                )
+
+    def _agree_on_grads(
+        self, found_inf: torch.Tensor | None = None
+    ) -> tuple[list[tuple[bool, ...]], list[list[torch.nn.Parameter]], bool]:
+        """Per buffer, per member: whether the parameter has a gradient on some rank (one all-reduce).
+
+        Also returns, per buffer, the parameters with a gradient elsewhere but not here (their slots
+        are zeroed, so that this rank adds nothing), and whether some rank found inf/NaN (the same
+        all-reduce carries the flag).
+        """
+        local = [p.grad is not None for b in self._buffers for p in b.buffer.params]
+        inf = found_inf is not None and bool(found_inf.detach().float().sum() > 0)
+        flags = torch.tensor([*local, inf], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        agreed = flags.bool().tolist()
+        skip = agreed.pop()
+        result: list[tuple[bool, ...]] = []
+        adopted: list[list[torch.nn.Parameter]] = []
+        at = 0
+        for sharded in self._buffers:
+            members = sharded.buffer.members
+            on = tuple(agreed[at : at + len(members)])
+            here = local[at : at + len(members)]
+            at += len(members)
+            adopted.append([m.param for m, mine, anywhere in zip(members, here, on) if anywhere and not mine])
+            for param in adopted[-1]:
+                sharded.flat.adopt_grad(param)  # no gradient here: its slot counts as zeros
+            result.append(on)
+        return result, adopted, skip
+
+    def _update(self, sharded: _ShardedBuffer, on: tuple[bool, ...], grad_scale: torch.Tensor | None) -> None:
+        """One fused update of this rank's shard; step counts and first steps are kept on every rank."""
+        buffer, optim = sharded.buffer, self.optim
+        state = buffer.state
+        members = [m for m, active in zip(buffer.members, on) if active]
+        fresh_members = [m for m in members if not m.started]
+        for member in fresh_members:
+            member.started = True
+            state.steps[member.index] = 0.0
+        for member in members:
+            state.steps[member.index] += 1.0  # every rank counts every parameter's steps (consolidation reads any)
+        plan = buffer.plan(tuple(active and m.end > m.start for m, active in zip(buffer.members, on)))
+        if fresh_members:
+            checkpoint.start_state(optim, buffer, fresh_members)
+        if not plan.members:
+            return
+        fresh = [m in fresh_members for m in plan.members]
+        counts = state.steps.numpy()[plan.positions] if optim.family.uses_step else None
+        rows, member_rows = optim._rows(plan, counts, fresh)
+        table = buffer.table(plan, member_rows, optim._pads_stay_zero())
+        backend = select_backend(buffer.device, f"ShardedOptimizer({type(optim).__name__})")
+        update(optim.family, state.buffers_for_update(), table, rows, grad_scale=grad_scale, backend=backend)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state, with the layout it belongs to (see :mod:`._sharded_checkpoint`)."""
+        return checkpoint.sharded_state_dict(self)
+
+    def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """The whole state in torch.optim's format on rank ``to`` (None on the others); every rank must call it.
+
+        Gathers one state buffer at a time, so rank ``to`` needs one buffer's
+        worth of memory besides the result. The result loads into the
+        unsharded fused optimizer, the torch.optim class it replaces, or a
+        ShardedOptimizer of any world size.
+        """
+        return checkpoint.consolidated_state_dict(self, to)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a consolidated (torch.optim format, any world size) or sharded (same layout) state dict.
+
+        A sharded state dict saved with another world size, rank or layout
+        raises ValueError naming the difference (nothing is changed then).
+        """
+        checkpoint.load_state_dict(self, state_dict)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(rank {self.rank} of {self.world_size}, {self.optim!r})"
