@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -101,3 +102,14 @@ def run_world(
             else:
                 outcomes.append(RankResult(exited=False))
         return outcomes
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's result of a scenario; fails with the rank's traceback if it raised."""
+    values = []
+    for rank, results in enumerate(ranks):
+        outcome = results[name]
+        if "error" in outcome:
+            pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{outcome['error']}")
+        values.append(outcome["value"])
+    return values

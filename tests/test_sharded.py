@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import run_world
+from dist_helpers import run_world, scenario
 from sharded_scenarios import OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
@@ -51,17 +51,6 @@ def world1(world2, world3) -> list[dict]:
 @pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
 def world(request) -> list[dict]:
     return request.getfixturevalue(f"world{request.param}")
-
-
-def scenario(ranks: list[dict], name: str) -> list[dict]:
-    """Each rank's result of a scenario; fails with the rank's traceback if it raised."""
-    values = []
-    for rank, results in enumerate(ranks):
-        outcome = results[name]
-        if "error" in outcome:
-            pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{outcome['error']}")
-        values.append(outcome["value"])
-    return values
 
 
 def assert_states_equal(actual: dict, expected: dict, **tolerance) -> None:
