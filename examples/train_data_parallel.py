@@ -15,8 +15,10 @@ Shutdown: after training, every rank waits for the others at a barrier and
 then destroys the process group explicitly, while the interpreter is fully
 alive. A process that leaves gloo's worker threads and their pending work
 for interpreter finalization can die with SIGABRT at exit after a
-successful run (seen with DDP as well); a rank that tears down its
-connections while a peer still talks to it makes that peer fail. When
+successful run (importing tfuse before the process group exists keeps torch
+from pinning the group past destroy_process_group: see
+tfuse/distributed/__init__.py); a rank that tears down its connections
+while a peer still talks to it makes that peer fail. When
 training raises, the rank skips both and exits with the error at once: a
 barrier or a teardown could wait on a peer stuck in a collective until the
 process-group timeout, while torchrun ends the other ranks as soon as one

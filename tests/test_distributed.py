@@ -298,6 +298,35 @@ def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path):
 # --------------------------------------------------------------------------- errors without a process group
 
 
+_GROUP_FREED_AT_DESTROY = """
+import os, sys, tempfile, torch
+import tfuse  # before the process group, as scripts do
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = tfuse.distributed.FusedDataParallel(torch.nn.Linear(3, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # torch imports torch._dynamo here, lazily
+model(torch.ones(2, 3)).sum().backward()
+optimizer.step()
+del model, optimizer
+dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(name.startswith("pt_gloo") for name in threads))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_destroy_process_group_frees_the_group_after_torch_imports_its_distributed_functions():
+    """The class of the SIGABRT at exit of a successful torchrun script: a lazily imported
+    torch.distributed.nn.functional binds the live default group into ten default arguments, so
+    destroy_process_group cannot free it and gloo's worker threads survive into interpreter
+    shutdown. Importing tfuse first must leave none of them running after destroy_process_group."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", _GROUP_FREED_AT_DESTROY], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "0", "gloo worker threads still running after destroy_process_group"
+
+
 def test_errors_before_any_collective():
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         FusedDataParallel(torch.randn(3))

@@ -9,6 +9,16 @@
   (NCCL with one GPU per process, or gloo on the CPU).
 """
 
+# Imported here, before any process group exists, on purpose: torch.distributed.nn.functional
+# binds ``group=dist.group.WORLD`` as a default argument of ten functions when it is first
+# imported, and torch imports it lazily (torch._dynamo, pulled in by the first torch.optim
+# optimizer or DDP). Imported after init_process_group, those defaults keep the default group
+# alive through destroy_process_group: gloo's worker threads then outlive it into interpreter
+# shutdown, where one that releases a finished collective's tensors takes the GIL and the
+# process dies with SIGABRT ("terminate called without an active exception") after a
+# successful run. Imported now, the defaults are None and destroy_process_group frees the group.
+import torch.distributed.nn.functional  # noqa: F401
+
 from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.distributed.launch import init_process_group_from_env
 from tfuse.distributed.sharded import ShardedOptimizer
