@@ -25,12 +25,9 @@ machine hits them all alike).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,9 +37,21 @@ import torch
 import torch.distributed as dist
 
 from .harness import (
-    CANARY_BYTES, CHECK_COLUMN, NOISY_REL_IQR, Column, Context, Flag, Report, Timing, check_stall, check_timing, copy_reference,
-    difference, worse_flag,
+    CANARY_BYTES,
+    CHECK_COLUMN,
+    NOISY_REL_IQR,
+    Column,
+    Context,
+    Flag,
+    Report,
+    Timing,
+    check_stall,
+    check_timing,
+    copy_reference,
+    difference,
+    worse_flag,
 )
+from .ranks import launch, rank_group
 
 NAME = "allreduce"
 WORLD_SIZE = 2
@@ -271,17 +280,7 @@ def _time_configs(configs: list[_Config], device: torch.device, rounds: int, ite
 def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: str, quick: bool) -> None:
     from .optim import resnet50_shapes, tiny_shapes
 
-    if backend == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # FusedMomentum on the CPU: the PyTorch path (the interpreter is for values, not speed).
-        os.environ["TFUSE_BACKEND"] = "torch"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
+    with rank_group(rank, world, backend, init_file) as device:
         shapes = tiny_shapes() if quick else resnet50_shapes()
         rounds, iterations = (3, 2) if quick else (7, 3)
         configs = _sync_configs(shapes, device) + _cnn_configs(device, quick) + _hook_configs(device)
@@ -296,28 +295,10 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: st
             Path(out_file).write_text(json.dumps({"rows": rows, "tensors": len(shapes), "rounds": rounds,
                                                   "iterations": iterations,
                                                   "mbytes": sum(torch.Size(s).numel() for s in shapes) * 4 / 1e6}))
-    finally:
-        dist.destroy_process_group()
 
 
 def _launch(backend: str, quick: bool) -> dict[str, Any]:
-    context = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
-        ranks = [context.Process(target=_rank_main, args=(rank, WORLD_SIZE, backend, init_file, out_file, quick))
-                 for rank in range(WORLD_SIZE)]
-        for process in ranks:
-            process.start()
-        deadline = time.monotonic() + (300 if quick else 1200)
-        for process in ranks:
-            process.join(max(1.0, deadline - time.monotonic()))
-        stuck = [p for p in ranks if p.is_alive()]
-        for process in stuck:
-            process.kill()
-        failed = [p.exitcode for p in ranks]
-        if stuck or any(code != 0 for code in failed):
-            raise RuntimeError(f"allreduce benchmark: ranks exited with {failed} ({len(stuck)} killed after the deadline)")
-        return json.loads(Path(out_file).read_text())
+    return launch("allreduce", _rank_main, WORLD_SIZE, backend, quick, deadline_s=300 if quick else 1200)
 
 
 def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> None:

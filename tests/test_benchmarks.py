@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce"]
+ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -404,4 +404,16 @@ def test_allreduce_benchmark(quick_run):
     assert len(tfuse_rows) == 7  # the bucket_mb sweep (5) and the CNN steps (2)
     assert by_config["tfuse max_params_per_bucket=1"]["all-reduce calls"] == "5"  # the count cap splits every tensor
     assert "torch DDP bucket_cap_mb=25" in by_config and "copy canary" not in by_config
+    _time_cells(rows, "step ms")
+
+
+def test_sharded_benchmark(quick_run):
+    _, rows = _table(quick_run, "sharded")
+    assert [row["configuration"] for row in rows] == [
+        "tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + FusedAdam (unsharded)",
+        "torch DDP + ZeroRedundancyOptimizer(Adam)"]
+    by_config = {row["configuration"]: row for row in rows}
+    assert by_config["tfuse FusedDataParallel + FusedAdam (unsharded)"]["state vs unsharded"] == "1.00x"
+    # Two ranks: each keeps about half the Adam state (shards are aligned, so a little over half).
+    assert float(by_config["tfuse ShardedOptimizer(FusedAdam)"]["state vs unsharded"].rstrip("x")) <= 0.55
     _time_cells(rows, "step ms")

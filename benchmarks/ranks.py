@@ -1,0 +1,81 @@
+"""Processes for the multi-rank benchmarks: start the ranks, join and leave their process group.
+
+Each rank runs ``target(rank, world, backend, init_file, out_file, quick)`` in a
+spawned process; rank 0 writes its results as JSON to ``out_file``, which
+:func:`launch` reads back. :func:`rank_group` is the set-up and teardown every
+rank shares:
+
+- tfuse.distributed is imported before the process group exists (see its
+  ``__init__``: otherwise torch pins the group past destroy_process_group and a
+  rank can die with SIGABRT at exit after a successful run);
+- a rank that finished meets the others at a barrier before tearing down, so
+  nobody closes its connections while a peer still talks to it; a rank that
+  raised skips the barrier (its peers would wait for it until the timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def rank_group(rank: int, world: int, backend: str, init_file: str) -> Iterator[torch.device]:
+    """Joins the benchmark's process group and yields this rank's device; leaves it on exit."""
+    import tfuse.distributed  # noqa: F401  (before the group: see the module docstring)
+
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Fused optimizers on the CPU: the PyTorch path (the interpreter is for values, not speed).
+        os.environ["TFUSE_BACKEND"] = "torch"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    finished = False
+    try:
+        yield device
+        finished = True
+    finally:
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(name: str, target: Callable[..., None], world: int, backend: str, quick: bool,
+           deadline_s: float) -> dict[str, Any]:
+    """Runs ``target`` on ``world`` spawned ranks and returns what rank 0 wrote.
+
+    Ranks still alive after ``deadline_s`` are killed; any rank that did not exit
+    cleanly makes this raise, naming the benchmark and the exit codes.
+    """
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
+        ranks = [context.Process(target=target, args=(rank, world, backend, init_file, out_file, quick))
+                 for rank in range(world)]
+        for process in ranks:
+            process.start()
+        deadline = time.monotonic() + deadline_s
+        for process in ranks:
+            process.join(max(1.0, deadline - time.monotonic()))
+        stuck = [p for p in ranks if p.is_alive()]
+        for process in stuck:
+            process.kill()
+        codes = [p.exitcode for p in ranks]
+        if stuck or any(code != 0 for code in codes):
+            raise RuntimeError(f"{name} benchmark: ranks exited with {codes} ({len(stuck)} killed after the deadline)")
+        return json.loads(Path(out_file).read_text())
