@@ -61,14 +61,50 @@ def assert_sum_accurate(result: torch.Tensor, inputs: Sequence[torch.Tensor]) ->
     )
     if result.dtype == torch.float64:
         bound = 2 * bound  # the float64 reference rounds as often as the result does
-    error = (result.double() - exact).abs()
+    _assert_within((result.double() - exact).abs(), bound)
+
+
+def _assert_within(error: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """Raises naming how many elements exceed their bound, and the worst one."""
     bad = error > bound
     if bad.any():
         worst = (error - bound).flatten().argmax()
         raise AssertionError(
-            f"{int(bad.sum())} of {bad.numel()} elements beyond the error bound; at the worst, "
+            f"{what}{int(bad.sum())} of {bad.numel()} elements beyond the error bound; at the worst, "
             f"error {error.flatten()[worst].item():.3e} against bound {bound.flatten()[worst].item():.3e}"
         )
+
+
+def assert_batch_norm_input_grad_accurate(
+    result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, grad_out: torch.Tensor, eps: float
+) -> None:
+    """Checks training-mode batch norm's d(x) against float64, with the error bound of its terms.
+
+    ``dx = w * invstd * (g - mean(g) - xhat * mean(g * xhat))`` per channel
+    (dim 1), ``g`` the gradient at the batch norm's output (``grad_out``,
+    float64). Where those terms cancel (a few elements per channel), any
+    float32 evaluation keeps only the bits the cancellation leaves: each term,
+    and ``xhat = (x - mean) * invstd`` itself, carries a few roundings of its
+    own magnitude. The bound is 16 unit roundoffs of float32 times
+    ``|w| * invstd * (|g| + mean|g| + (|xhat| + (|x| + |mean|) * invstd) * mean|g * xhat|)``,
+    plus torch's float32 tolerance: the algorithm's bound, not a tolerance
+    tuned to pass (a wrong formula is off by the size of the terms).
+    """
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = [1 if d != 1 else x.shape[1] for d in range(x.dim())]
+    x64, g = x.detach().double(), grad_out.detach().double()
+    mean = x64.mean(dims, keepdim=True)
+    invstd = (x64.var(dims, unbiased=False, keepdim=True) + eps).rsqrt()
+    xhat = (x64 - mean) * invstd
+    w = torch.ones(shape, dtype=torch.float64) if weight is None else weight.detach().double().reshape(shape)
+    exact = w * invstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+    terms = w.abs() * invstd * (
+        g.abs()
+        + g.abs().mean(dims, keepdim=True)
+        + (xhat.abs() + (x64.abs() + mean.abs()) * invstd) * (g * xhat).abs().mean(dims, keepdim=True)
+    )
+    bound = 16 * unit_roundoff(torch.float32) * terms + 1e-5 + 1.3e-6 * exact.abs()
+    _assert_within((result.detach().double() - exact).abs(), bound, "d(x): ")
 
 
 def assert_matches_torch_sum(result: torch.Tensor, inputs: Sequence[torch.Tensor]) -> None:

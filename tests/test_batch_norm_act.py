@@ -14,10 +14,27 @@ from tfuse.functional import batch_norm_act
 from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d
 from tfuse.ops import batch_norm as bn_ops
 
-from helpers import make_input, torch_activation
+from helpers import assert_batch_norm_input_grad_accurate, make_input, torch_activation
 
 ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def grad_at_batch_norm_output(act: str, z: torch.Tensor, residual: torch.Tensor | None, dy: torch.Tensor) -> torch.Tensor:
+    """float64 gradient at the batch norm's output ``z`` (before the residual add and the activation)."""
+    z64 = z.detach().double().requires_grad_()
+    pre = z64 + residual.detach().double() if residual is not None else z64
+    (grad,) = torch.autograd.grad(torch_activation(act, 0.01)(pre), z64, dy.double())
+    return grad
+
+
+def assert_input_grad(gx: torch.Tensor, bn: nn.Module, act: str, x: torch.Tensor, residual: torch.Tensor | None,
+                      dy: torch.Tensor) -> None:
+    """Training-mode d(x) against float64 within its error bound (see helpers.assert_batch_norm_input_grad_accurate)."""
+    z = F.batch_norm(x.detach().double(), None, None, None if bn.weight is None else bn.weight.detach().double(),
+                     None if bn.bias is None else bn.bias.detach().double(), training=True, eps=bn.eps)
+    grad_out = grad_at_batch_norm_output(act, z, residual, dy)
+    assert_batch_norm_input_grad_accurate(gx, x, bn.weight, grad_out, bn.eps)
 
 
 def reference_step(bn: nn.Module, act: str, x: torch.Tensor, residual: torch.Tensor | None, dy: torch.Tensor):
@@ -70,6 +87,9 @@ def test_training_step_matches_batchnorm2d(act, with_residual, layout, dtype, de
     torch.testing.assert_close(y, expected_y.to(dtype))
     for index, (mine, theirs) in enumerate(zip(grads, expected_grads)):
         is_param_grad = index >= len(grads) - 2
+        if index == 0 and dtype == torch.float32:
+            assert_input_grad(mine, reference, act, x, residual, dy)  # float64, within its cancellation bound
+            continue
         tolerance = PARAM_GRAD_TOLERANCE if is_param_grad and dtype == torch.float32 else grad_tolerance(dtype)
         torch.testing.assert_close(mine.float(), theirs, **tolerance)
     torch.testing.assert_close(fused.running_mean, reference.running_mean)
@@ -153,7 +173,8 @@ def test_odd_sizes(shape, layout, device):
     grads = torch.autograd.grad(y, (x, residual, fused.weight, fused.bias), dy)
     expected_y, expected_grads = reference_step(reference, "relu", x, residual, dy)
     torch.testing.assert_close(y, expected_y)
-    for index, (mine, theirs) in enumerate(zip(grads, expected_grads)):
+    assert_input_grad(grads[0], reference, "relu", x, residual, dy)  # 4 elements per channel: terms cancel
+    for index, (mine, theirs) in enumerate(zip(grads[1:], expected_grads[1:]), start=1):
         torch.testing.assert_close(mine, theirs, **(PARAM_GRAD_TOLERANCE if index >= 2 else {}))
     torch.testing.assert_close(fused.running_var, reference.running_var)
 
