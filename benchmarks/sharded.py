@@ -57,6 +57,8 @@ WORLD_SIZE = 2
 CANARY = "copy canary"
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 SHARDED = "tfuse ShardedOptimizer(FusedAdam)"
+SHARDED_FDP = "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam)"
+SHARDED_FDP_ALLREDUCE = "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam, reduce='all_reduce')"
 UNSHARDED = "tfuse FusedDataParallel + FusedAdam (unsharded)"
 ZERO = "torch DDP + ZeroRedundancyOptimizer(Adam)"
 
@@ -80,7 +82,7 @@ def _torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _configs(model_name: str, shapes: list[tuple[int, ...]], device: torch.device) -> list[_Config]:
-    """The three steps for one parameter set; each rank builds the same models (same seed)."""
+    """The five steps for one parameter set; each rank builds the same models (same seed)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from tfuse.distributed import FusedDataParallel, ShardedOptimizer
@@ -99,6 +101,10 @@ def _configs(model_name: str, shapes: list[tuple[int, ...]], device: torch.devic
 
     plain = _CheapModel(shapes, device)
     sharded = ShardedOptimizer(plain.parameters(), FusedAdam, **ADAM)
+    wrapped = FusedDataParallel(_CheapModel(shapes, device))
+    sharded_fdp = ShardedOptimizer(wrapped, FusedAdam, **ADAM)  # the wrapper reduces to the owners in backward
+    wrapped_ar = FusedDataParallel(_CheapModel(shapes, device))
+    sharded_fdp_ar = ShardedOptimizer(wrapped_ar, FusedAdam, reduce="all_reduce", **ADAM)  # all-reduce in backward
     fdp = FusedDataParallel(_CheapModel(shapes, device))
     fused_adam = FusedAdam(fdp.parameters(), **ADAM)
     # gradient_as_bucket_view: DDP's gradients are views of its buckets, as tfuse's are of its flat buffers,
@@ -109,6 +115,8 @@ def _configs(model_name: str, shapes: list[tuple[int, ...]], device: torch.devic
                                    fused=True, **ADAM)
     configs = [
         _Config(SHARDED, model_name, make_step(plain, sharded)),
+        _Config(SHARDED_FDP, model_name, make_step(wrapped, sharded_fdp)),
+        _Config(SHARDED_FDP_ALLREDUCE, model_name, make_step(wrapped_ar, sharded_fdp_ar)),
         _Config(UNSHARDED, model_name, make_step(fdp, fused_adam)),
         _Config(ZERO, model_name, make_step(ddp, zero)),
     ]
@@ -116,7 +124,9 @@ def _configs(model_name: str, shapes: list[tuple[int, ...]], device: torch.devic
         config.step()
     # Private attribute: the flat state buffers of the unsharded FusedAdam (its per-parameter state are views).
     unsharded_state = sum(_tensor_bytes(b.state.buffers.values()) for b in fused_adam._buffers)
-    for config, state in zip(configs, (sharded.state_bytes(), unsharded_state, _torch_state_bytes(zero.optim))):
+    states = (sharded.state_bytes(), sharded_fdp.state_bytes(), sharded_fdp_ar.state_bytes(), unsharded_state,
+              _torch_state_bytes(zero.optim))
+    for config, state in zip(configs, states):
         config.state_bytes = state
         config.held_bytes = 2 * param_bytes + state  # parameters and gradients, whole on every rank, + state
     return configs
@@ -163,7 +173,7 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: st
                                                                    ("GPT-2 small", gpt2_small_shapes())]
         rounds, iterations = (3, 2) if quick else (7, 3)
         rows = []
-        for model_name, shapes in sets:  # one parameter set at a time: GPT-2's three copies take ~2 GB a rank each
+        for model_name, shapes in sets:  # one parameter set at a time: GPT-2's five copies take ~8 GB a rank
             configs = _configs(model_name, shapes, device)
             if backend == "gloo":
                 canary = _canary(device)
@@ -237,7 +247,11 @@ def run(ctx: Context) -> Report:
         + ". Forward = each parameter times a scalar, summed, so a step is zero_grad + backward + gradient "
         "synchronisation + Adam (lr 1e-3).",
         f"Configurations: {SHARDED} on a plain model (it averages the gradients into their owners itself: "
-        f"{'reduce-scatter' if backend == 'nccl' else 'one reduce per shard'}, then one all-gather per buffer); "
+        f"{'reduce-scatter' if backend == 'nccl' else 'one reduce per shard'}, then "
+        f"{'one all-gather per buffer' if backend == 'nccl' else 'one broadcast per shard'}); "
+        f"{SHARDED_FDP} (the wrapper reduces each bucket to the owners of its shards while backward runs, no "
+        "all-reduce; then one fused Adam per shard and one parameter gather per buffer); "
+        f"{SHARDED_FDP_ALLREDUCE} (the same, but the wrapper all-reduces its buckets in backward, as unsharded); "
         f"{UNSHARDED} (bucketed all-reduces overlapping backward, Adam on every element on every rank); "
         f"{ZERO} (torch.distributed.optim, overlap_with_ddp=False, fused=True; DDP with "
         "gradient_as_bucket_view=True).",
@@ -249,7 +263,7 @@ def run(ctx: Context) -> Report:
         "not counted.",
         f"Every step's time is the slowest rank's; a time is the median over {result['rounds']} rounds x "
         f"{result['iterations']} steps, ± half the interquartile range relative to it, rounds cycling through the "
-        "three configurations of a parameter set from a different start each.",
+        "five configurations of a parameter set from a different start each.",
         "vs unsharded / vs ZeRO = step time over the FusedDataParallel + FusedAdam / ZeroRedundancyOptimizer row of "
         "the same parameter set (below 1: faster).",
     ]
@@ -265,7 +279,7 @@ def run(ctx: Context) -> Report:
         Column("ms", "step ms", "{:.1f}", spread=True), Column("vs_unsharded", "vs unsharded", "{:.2f}x"),
         Column("vs_zero", "vs ZeRO", "{:.2f}x"), CHECK_COLUMN,
     ]
-    short = {SHARDED: "tfuse sharded", UNSHARDED: "tfuse FDP (unsharded)", ZERO: "torch ZeRO-1"}
+    short = {SHARDED: "tfuse sharded", SHARDED_FDP: "tfuse FDP + sharded", SHARDED_FDP_ALLREDUCE: "FDP + sharded, all-reduce", UNSHARDED: "tfuse FDP (unsharded)", ZERO: "torch ZeRO-1"}
     plotted = [dict(row, step_ms=row["ms"], step_ms_range=row["ms_range"], short=short[row["label"]],
                     flags=dict(row["flags"], **({"step_ms": row["flags"]["ms"]} if "ms" in row["flags"] else {})))
                for row in rows]

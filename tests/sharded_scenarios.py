@@ -10,6 +10,8 @@ so that the comparisons can be tight.
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import os
 import traceback
 
@@ -29,7 +31,8 @@ OPTIMIZERS = {
     "momentum": (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
                  dict(reduce="reduce_scatter", gather="broadcast")),
     "adam": (FusedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.01, amsgrad=True), dict()),
-    "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), dict(reduce="all_reduce")),
+    "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1),
+              dict(reduce="all_reduce", gather="all_gather")),
 }
 
 
@@ -149,23 +152,151 @@ def grad_scaler(rank: int, world: int) -> dict:
     return {"skipped": skipped, "params": params_of(net), "reference": params_of(reference)}
 
 
+class _CollectiveCounter:
+    """Counts dist.all_reduce / dist.reduce calls (and the all-reduced sizes) while ``counting`` is set."""
+
+    def __init__(self) -> None:
+        self.counting, self.reduces, self.all_reduce_sizes = False, 0, []
+        self._all_reduce, self._reduce = dist.all_reduce, dist.reduce
+
+    def __enter__(self) -> _CollectiveCounter:
+        def all_reduce(tensor, *args, **kwargs):
+            if self.counting:
+                self.all_reduce_sizes.append(tensor.numel())
+            return self._all_reduce(tensor, *args, **kwargs)
+
+        def reduce(tensor, *args, **kwargs):
+            self.reduces += self.counting
+            return self._reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce, dist.reduce = all_reduce, reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce, dist.reduce = self._all_reduce, self._reduce
+
+
+def _halves(batch, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the batch as two equal micro-batches."""
+    x, y = batch[0][rank * BATCH : (rank + 1) * BATCH], batch[1][rank * BATCH : (rank + 1) * BATCH]
+    half = BATCH // 2
+    return [(x[:half], y[:half]), (x[half:], y[half:])]
+
+
 def data_parallel(rank: int, world: int) -> dict:
-    """Under FusedDataParallel (the wrapper passed as params): still torch.optim on the whole batch."""
-    wrapped = FusedDataParallel(model()["body"], bucket_mb=None)
+    """Sharded mode under FusedDataParallel (the wrapper passed as params): backward reduces each bucket to its
+    owners (no gradient all-reduce), no_sync accumulates, and training still follows torch.optim on the whole
+    batch; stepping after a no_sync backward raises; deleting the optimizer brings the all-reduce back."""
+    wrapped = FusedDataParallel(model()["body"], bucket_mb=0.001)  # 1 KB buckets: several, some across shards
     reference = model()["body"]
     opt = ShardedOptimizer(wrapped, FusedAdam, lr=0.01, weight_decay=0.01)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, weight_decay=0.01, foreach=False)
-    for batch in batches(world):
-        x, y = batch
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(wrapped(x[rank * BATCH : (rank + 1) * BATCH]),
-                                     y[rank * BATCH : (rank + 1) * BATCH]).backward()
+    counts = []
+    with _CollectiveCounter() as counter:
+        for batch in batches(world):
+            opt.zero_grad()
+            (first_x, first_y), (second_x, second_y) = _halves(batch, rank)
+            with wrapped.no_sync():  # (the rank's loss is the mean of its two halves')
+                (torch.nn.functional.mse_loss(wrapped(first_x), first_y) / 2).backward()
+            synced_after_first = wrapped.gradients_synchronized
+            counter.counting, counter.reduces, counter.all_reduce_sizes = True, 0, []
+            (torch.nn.functional.mse_loss(wrapped(second_x), second_y) / 2).backward()
+            counter.counting = False
+            counts.append((synced_after_first, wrapped.gradients_synchronized, counter.reduces,
+                           list(counter.all_reduce_sizes)))
+            opt.step()
+            ref_opt.zero_grad()
+            x, y = batch
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+    with wrapped.no_sync():
+        wrapped(first_x).sum().backward()
+    try:
         opt.step()
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(reference(x), y).backward()
+        unsynced_step = None
+    except RuntimeError as error:
+        unsynced_step = str(error)
+    result = {"params": params_of(wrapped), "reference": params_of(reference),
+              "same_flat": opt.flat_params == (wrapped.flat,), "counts": counts,
+              "num_reduce_calls": wrapped.num_reduce_calls, "num_allreduce_calls": wrapped.num_allreduce_calls,
+              "n_buckets": len(wrapped.buckets), "unsynced_step": unsynced_step}
+    try:
+        ShardedOptimizer(list(wrapped.parameters())[:2], FusedAdam, lr=0.01)
+        result["subset"] = None
+    except ValueError as error:
+        result["subset"] = str(error)
+    del opt
+    gc.collect()
+    wrapped.zero_grad()
+    wrapped(first_x).sum().backward()
+    result["after_delete"] = (wrapped.num_allreduce_calls, wrapped.num_reduce_calls)
+    return result
+
+
+def data_parallel_scaler(rank: int, world: int) -> dict:
+    """Both sharded-backward modes (reduce to owners; all-reduce) with gradient merge (2 micro-batches) and
+    GradScaler: an inf in the last rank's input at step 1 makes every rank skip that step and halve its scale
+    alike; the other steps follow torch.optim."""
+    return {mode: _data_parallel_scaler(rank, world, mode) for mode in ("reduce", "all_reduce")}
+
+
+def _data_parallel_scaler(rank: int, world: int, reduce: str) -> dict:
+    wrapped = FusedDataParallel(model()["body"], bucket_mb=0.001, gradient_merge_steps=2)
+    reference = model()["body"]
+    opt = ShardedOptimizer(wrapped.parameters(), FusedAdam, lr=0.01, reduce=reduce)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    skipped, scales, synced = [], [], []
+    for step, batch in enumerate(batches(world)):
+        opt.zero_grad()
+        for micro, (x, y) in enumerate(_halves(batch, rank)):
+            if step == 1 and micro == 1 and rank == world - 1:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            scaler.scale(torch.nn.functional.mse_loss(wrapped(x), y)).backward()
+            synced.append(wrapped.gradients_synchronized)
+        before = params_of(wrapped)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, params_of(wrapped))))
+        if step != 1:
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(reference(batch[0]), batch[1]).backward()
+            ref_opt.step()
+    return {"params": params_of(wrapped), "reference": params_of(reference), "skipped": skipped, "scales": scales,
+            "synced": synced, "calls": (wrapped.num_allreduce_calls, wrapped.num_reduce_calls)}
+
+
+def masters(rank: int, world: int) -> dict:
+    """master_weights=True on bfloat16 parameters: every rank feeds the same gradients (their average is exact), so
+    the sharded trajectory, masters included, must equal the unsharded FusedAdam's bit for bit; each rank keeps the
+    masters of its shard only, and the consolidated state dict carries the whole masters."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).bfloat16()
+    reference = copy.deepcopy(net)
+    opt = ShardedOptimizer(net.parameters(), FusedAdam, lr=0.01, weight_decay=0.01, master_weights=True)
+    ref_opt = FusedAdam(reference.parameters(), lr=0.01, weight_decay=0.01, master_weights=True)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        grads = [torch.randn(p.shape, generator=generator).bfloat16() for p in net.parameters()]
+        for mine, theirs, grad in zip(net.parameters(), reference.parameters(), grads):
+            mine.grad, theirs.grad = grad.clone(), grad.clone()
+        opt.step()
         ref_opt.step()
-    return {"params": params_of(wrapped), "reference": params_of(reference),
-            "same_flat": opt.flat_params == (wrapped.flat,)}
+    consolidated = opt.consolidated_state_dict(0)
+    flat = opt.flat_params[0]
+    try:
+        copy.deepcopy(opt)
+        copy_error = None
+    except TypeError as error:
+        copy_error = str(error)
+    return {"params": params_of(net), "reference": params_of(reference),
+            "master_bytes": opt._buffers[0].buffer.state.master.numel() * 4,
+            "padded_numel": flat.shards(world)[0][-1].end, "copy_error": copy_error,
+            "consolidated": None if consolidated is None else {
+                i: entry["master_param"] for i, entry in consolidated["state"].items()},
+            "reference_masters": {i: entry["master_param"] for i, entry in ref_opt.state_dict()["state"].items()}}
 
 
 def memory(rank: int, world: int) -> dict:
@@ -248,6 +379,8 @@ SUITE = {
     "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),
     "grad_scaler": grad_scaler,
     "data_parallel": data_parallel,
+    "data_parallel_scaler": data_parallel_scaler,
+    "masters": masters,
     "memory": memory,
     "save": save,
 }

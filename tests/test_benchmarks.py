@@ -410,10 +410,12 @@ def test_allreduce_benchmark(quick_run):
 def test_sharded_benchmark(quick_run):
     _, rows = _table(quick_run, "sharded")
     assert [row["configuration"] for row in rows] == [
-        "tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + FusedAdam (unsharded)",
-        "torch DDP + ZeroRedundancyOptimizer(Adam)"]
+        "tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam)",
+        "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam, reduce='all_reduce')",
+        "tfuse FusedDataParallel + FusedAdam (unsharded)", "torch DDP + ZeroRedundancyOptimizer(Adam)"]
     by_config = {row["configuration"]: row for row in rows}
     assert by_config["tfuse FusedDataParallel + FusedAdam (unsharded)"]["state vs unsharded"] == "1.00x"
     # Two ranks: each keeps about half the Adam state (shards are aligned, so a little over half).
-    assert float(by_config["tfuse ShardedOptimizer(FusedAdam)"]["state vs unsharded"].rstrip("x")) <= 0.55
+    for sharded in ("tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam)"):
+        assert float(by_config[sharded]["state vs unsharded"].rstrip("x")) <= 0.55
     _time_cells(rows, "step ms")

@@ -31,7 +31,8 @@ def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, ["momentum", "adam", "adamw", "adam_torch_path", "clip", "grad_scaler", "data_parallel", "memory", "save"])
+    return _suite(2, ["momentum", "adam", "adamw", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
+                          "data_parallel_scaler", "masters", "memory", "save"])
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +111,51 @@ def test_an_inf_on_one_rank_makes_every_rank_skip_the_step_under_grad_scaler(wor
             torch.testing.assert_close(sharded, reference, **TIGHT)  # the scale is divided out exactly
 
 
-def test_the_fused_data_parallel_wrapper_as_params(world2):
+def test_under_fused_data_parallel_backward_reduces_to_the_owners_with_no_all_reduce(world2):
     for result in scenario(world2, "data_parallel"):
         assert result["same_flat"]  # sharded over the wrapper's own flat buffers
+        assert result["num_allreduce_calls"] == 0 and result["num_reduce_calls"] > result["n_buckets"] > 1
+        for no_sync_synced, synced, reduces, all_reduce_sizes in result["counts"]:
+            assert (no_sync_synced, synced) == (False, True)
+            assert reduces == result["num_reduce_calls"]  # one per bucket and shard it meets, in backward
+            assert all_reduce_sizes == [1]  # only the non-finite flag: no gradient is all-reduced
         for sharded, reference in zip(result["params"], result["reference"]):
             torch.testing.assert_close(sharded, reference, **TIGHT)
+        assert "did not reduce the gradients" in result["unsynced_step"]
+        assert "also holds" in result["subset"] and "trainable parameter" in result["subset"]
+        assert result["after_delete"] == (result["n_buckets"], 0)  # the optimizer gone: all-reduce again
+
+
+@pytest.mark.parametrize("mode", ["reduce", "all_reduce"])
+def test_sharded_backward_with_gradient_merge_and_grad_scaler_skips_and_rescales_alike(world2, mode):
+    results = [ranks[mode] for ranks in scenario(world2, "data_parallel_scaler")]
+    for result in results:
+        assert result["synced"] == [False, True] * 3
+        assert result["skipped"] == [False, True, False]
+        for sharded, reference in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(sharded, reference, **TIGHT)
+        all_reduces, reduces = result["calls"]
+        assert (all_reduces == 0) == (mode == "reduce") and (reduces == 0) == (mode == "all_reduce")
+    assert results[0]["scales"] == results[1]["scales"] and results[0]["scales"][1] == results[0]["scales"][0] / 2
+
+
+def test_float32_masters_of_bfloat16_parameters_are_sharded_and_follow_the_unsharded_optimizer(world2):
+    results = scenario(world2, "masters")
+    for result in results:
+        for sharded, reference in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(sharded, reference, **EXACT)
+        assert result["master_bytes"] * len(results) == result["padded_numel"] * 4  # a shard's masters each
+        assert "cannot be pickled or deep-copied" in result["copy_error"] and "consolidated_state_dict" in result["copy_error"]
+    assert sorted(results[0]["consolidated"]) == sorted(results[0]["reference_masters"])
+    for index, master in results[0]["consolidated"].items():
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, results[0]["reference_masters"][index], **EXACT)
 
 
 def test_auto_modes_on_gloo_and_the_overrides(world2):
-    assert scenario(world2, "adam")[0]["modes"] == ("reduce", "all_gather")
+    assert scenario(world2, "adam")[0]["modes"] == ("reduce", "broadcast")
     assert scenario(world2, "momentum")[0]["modes"] == ("reduce_scatter", "broadcast")
-    assert scenario(world2, "adamw")[0]["modes"] == ("all_reduce", "all_gather")
+    assert scenario(world2, "adamw")[0]["modes"] == ("all_reduce", "all_gather")  # both overridden
 
 
 def test_state_bytes_per_rank_are_a_world_size_share(world):
@@ -179,8 +214,6 @@ def test_bad_arguments_are_refused_naming_them():
     layer = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="optimizer_class must be a tfuse fused optimizer class"):
         ShardedOptimizer(layer.parameters(), torch.optim.Adam)
-    with pytest.raises(ValueError, match="master_weights=True is not supported"):
-        ShardedOptimizer(layer.parameters(), FusedAdam, master_weights=True)
     with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got int"):
         ShardedOptimizer(layer.parameters(), FusedAdam, process_group=3)
     with pytest.raises(ValueError, match="reduce must be one of .*got 'scatter'"):

@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tfuse.distributed._shard_comm import global_rank
 from tfuse.flat import Bucket, FlatParams
 
 logger = logging.getLogger(__name__)
@@ -62,13 +64,9 @@ class GradientReducer:
         self.merge_steps = merge_steps
         self.merge_avg = merge_avg
         self.find_unused = find_unused
-        self.layout_version = flat.layout_version
-        self.buckets: tuple[Bucket, ...] = tuple(flat.buckets)
-        self._regions = [bucket.grad for bucket in self.buckets]
-        self._params = [p for bucket in self.buckets for p in bucket.params]
         self._names = names
-        self._bucket_of = {id(param): index for index, bucket in enumerate(self.buckets) for param in bucket.params}
-        self._sizes = [len(bucket.params) for bucket in self.buckets]
+        self._owners: _Owners | None = None  # set by a ShardedOptimizer: reduce to shard owners, no all-reduce
+        self._read_layout()
         self.no_sync_depth = 0
         self.forward_skipped = False
         self._divisor = float(self.world_size * (merge_steps if merge_avg else 1))
@@ -82,6 +80,79 @@ class GradientReducer:
         self.retired = False  # a newer reducer took the parameters over
         self._receiver = GradReceiver(self, flat)
         flat.set_grad_receiver(self._receiver)
+
+    def _read_layout(self) -> None:
+        """The bucket tables, from the FlatParams' current layout (and the owners' shards, if sharded)."""
+        flat = self.flat
+        self.layout_version = flat.layout_version
+        self.buckets: tuple[Bucket, ...] = tuple(flat.buckets)
+        self._regions = [bucket.grad for bucket in self.buckets]
+        self._params = [p for bucket in self.buckets for p in bucket.params]
+        self._bucket_of = {id(param): index for index, bucket in enumerate(self.buckets) for param in bucket.params}
+        self._sizes = [len(bucket.params) for bucket in self.buckets]
+        if self._owners is not None:
+            self._owners.read_layout(flat, self.buckets, self.group)
+
+    # ------------------------------------------------------------------ sharded mode
+
+    @property
+    def sharded_by(self):
+        """The ShardedOptimizer gradients are reduced to (None: buckets are all-reduced)."""
+        return None if self._owners is None else self._owners.optimizer()
+
+    @property
+    def calls_per_step(self) -> int:
+        """Gradient collectives per synchronizing backward: all-reduces, or reduces to owners when sharded."""
+        if self._owners is None or self._owners.all_reduce:
+            return len(self.buckets)
+        return sum(len(pieces) for pieces in self._owners.pieces)
+
+    @property
+    def reduces_to_owners(self) -> bool:
+        """Whether backward reduces buckets to shard owners (sharded mode with ``reduce`` other than all-reduce)."""
+        return self._owners is not None and not self._owners.all_reduce
+
+    def reduce_to_owners(self, optimizer: Any, all_reduce: bool = False) -> None:
+        """Sharded mode: each bucket is reduced to the ranks that own its shards, instead of all-reduced.
+
+        Called by :class:`~tfuse.distributed.ShardedOptimizer` once the flat
+        buffers are padded for the world size. Afterwards a synchronizing
+        backward leaves, on every rank, the averaged gradient in that rank's
+        shards and zeros elsewhere. ``optimizer`` is held weakly: once it is
+        gone, the next backward all-reduces again. With ``all_reduce`` the
+        buckets are still all-reduced (every rank gets every averaged
+        gradient; the optimizer then reduces nothing itself), for backends
+        whose all-reduce beats their reduce.
+        """
+        if self._in_backward:
+            raise RuntimeError("FusedDataParallel: cannot switch to sharded gradients in the middle of a backward pass")
+        current = self.sharded_by
+        if current is not None and current is not optimizer:
+            raise RuntimeError(
+                "FusedDataParallel: this model's gradients already go to the shards of another ShardedOptimizer; "
+                "one ShardedOptimizer per wrapped model"
+            )
+        self._owners = _Owners(weakref.ref(optimizer), all_reduce)
+        self._read_layout()
+        calls = self.calls_per_step
+        logger.log(
+            logging.INFO if dist.get_rank(self.group) == 0 else logging.DEBUG,
+            "FusedDataParallel: gradients %s during backward (%d %s call%s per step) for %s",
+            "are all-reduced" if all_reduce else "are reduced to their shard owners, no all-reduce,",
+            calls,
+            "all-reduce" if all_reduce else "reduce",
+            "" if calls == 1 else "s",
+            type(optimizer).__name__,
+        )
+
+    def _check_owners(self) -> None:
+        """At the start of a pass: a sharded mode whose optimizer is gone reverts to all-reduce."""
+        if self._owners is not None and self._owners.optimizer() is None:
+            self._owners = None
+            logger.warning(
+                "FusedDataParallel: its ShardedOptimizer was deleted; gradients are all-reduced again from this "
+                "backward pass on"
+            )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,6 +231,7 @@ class GradientReducer:
                 "FusedDataParallel: the parameters' flat layout changed after wrapping (requires_grad changed?); "
                 "wrap the module again: model = FusedDataParallel(model.module, ...)"
             )
+        self._check_owners()
         self._in_backward = True
         self._reset_pass()
         if not self.forward_skipped:
@@ -181,7 +253,11 @@ class GradientReducer:
             else:
                 for param in pending:
                     self.flat.grad_view(param).div_(self._divisor)
-        self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        if not self.reduces_to_owners:
+            self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        else:
+            for piece, owner in self._owners.pieces[index]:
+                self._works.append(dist.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         self._next = index + 1
 
     def finish_pass(self) -> None:
@@ -206,6 +282,8 @@ class GradientReducer:
             work.wait()
         self.allreduce_calls = len(self._works)
         self._reset_pass()
+        if self.reduces_to_owners:
+            self._owners.settle(self.group)
         if used_counts is not None:
             for param, count in zip(self._params, used_counts):
                 if count > 0 and param.grad is None:
@@ -234,6 +312,67 @@ class GradientReducer:
             "contribute zeros); otherwise make every parameter take part in the loss or set requires_grad=False. "
             "The all-reduces were completed with zeros for them so that other ranks do not hang."
         )
+
+
+class _Owners:
+    """Sharded mode of a reducer: which piece of each bucket goes to which owner, and the end-of-pass epilogue.
+
+    A bucket (a contiguous range of a gradient buffer) meets one or a few
+    shards; each intersection is reduced to that shard's owner. When every
+    reduce has completed, :meth:`settle` zeroes the elements this rank does
+    not own (they held partial sums) and makes a non-finite gradient seen by
+    every rank, as an all-reduce would have (a NaN in one parameter element
+    of each buffer): ``torch.amp.GradScaler`` then
+    finds inf/NaN, skips the step and lowers its scale alike on every rank,
+    so the ranks' scales never drift apart (the reduction summed gradients
+    scaled by them).
+    """
+
+    def __init__(self, optimizer: weakref.ref, all_reduce: bool) -> None:
+        self.optimizer = optimizer
+        self.all_reduce = all_reduce  # buckets all-reduced (no pieces, nothing to settle)
+        self.pieces: list[list[tuple[torch.Tensor, int]]] = []  # per bucket: (gradient view, owner's global rank)
+        self._mine: list[torch.Tensor] = []  # this rank's shard of each gradient buffer
+        self._others: list[torch.Tensor] = []  # the rest of each buffer's trainable (padded) range
+        self._sentinels: list[torch.Tensor] = []  # one gradient element of a parameter per buffer (never padding)
+
+    def read_layout(self, flat: FlatParams, buckets: Sequence[Bucket], group: dist.ProcessGroup | None) -> None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        shards = flat.shards(world)  # (padded already: the ShardedOptimizer asked for these shards)
+        with_grad = [index for index, g in enumerate(flat.groups) if g.grad is not None]
+        self.pieces = []
+        for bucket in buckets:
+            buffer = with_grad[bucket.buffer_index]
+            grad = flat.groups[buffer].grad
+            self.pieces.append(
+                [
+                    (grad[max(s.start, bucket.start) : min(s.end, bucket.end)], global_rank(group, s.rank))
+                    for s in shards[buffer]
+                    if s.start < bucket.end and bucket.start < s.end
+                ]
+            )
+        self._mine, self._others, self._sentinels = [], [], []
+        for buffer in with_grad:
+            grad, mine = flat.groups[buffer].grad, shards[buffer][rank]
+            self._mine.append(grad[mine.start : mine.end])
+            self._others += [grad[: mine.start], grad[mine.end : shards[buffer][-1].end]]
+            first = min(start for s in shards[buffer] for _, start, _ in s.ranges)
+            self._sentinels.append(grad[first : first + 1])
+
+    def settle(self, group: dist.ProcessGroup | None) -> None:
+        others = [t for t in self._others if t.numel()]
+        if others:
+            torch._foreach_zero_(others)
+        mine = [t for t in self._mine if t.numel()]
+        device = (mine or others or [torch.empty(0)])[0].device
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for shard in mine:
+            flag = torch.maximum(flag, (~torch.isfinite(shard)).any().float())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # one scalar; no host sync
+        # One NaN in a parameter's gradient is enough for GradScaler (it checks them all); padding stays zero.
+        poisoned = flag.bool()
+        for sentinel in self._sentinels:
+            sentinel.masked_fill_(poisoned, float("nan"))
 
 
 class GradReceiver:

@@ -30,13 +30,17 @@ def resolve_modes(reduce: str, gather: str, group: dist.ProcessGroup | None) -> 
 
     ``auto`` reduces with one reduce-scatter on NCCL and with one reduce per
     shard elsewhere (gloo's reduce-scatter is not available on every torch
-    version); parameters come back with one all-gather per buffer.
+    version, and where it is it measured slower than its reduce); parameters
+    come back with one all-gather per buffer on NCCL and one broadcast per
+    shard elsewhere: on gloo (2 CPU ranks, 100 MB) broadcasting the two
+    halves took 29 ms against 136 ms for ``all_gather_into_tensor``.
     """
     check_modes(reduce, gather)
+    nccl = dist.get_backend(group) == "nccl"
     if reduce == "auto":
-        reduce = "reduce_scatter" if dist.get_backend(group) == "nccl" else "reduce"
+        reduce = "reduce_scatter" if nccl else "reduce"
     if gather == "auto":
-        gather = "all_gather"
+        gather = "all_gather" if nccl else "broadcast"
     return reduce, gather
 
 

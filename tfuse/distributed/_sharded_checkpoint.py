@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from tfuse.distributed._shard_comm import global_rank
 from tfuse.optim._checks import IMPLEMENTATION_FLAGS
+from tfuse.optim._flat_optimizer import MASTER_KEY
 
 if TYPE_CHECKING:
     from tfuse.distributed.sharded import ShardedOptimizer
@@ -41,6 +42,35 @@ def start_state(optim: FlatOptimizer, buffer: _Buffer, members: list[_Member]) -
     for member in members:
         for name in optim._state_names(optim.param_groups[member.group]):
             state.ensure(name)[member.start : member.end].zero_()
+
+
+def refresh_masters(buffer: _Buffer, members: list[_Member]) -> None:
+    """Float32 masters of this rank's shard, taken from the parameters where they are new or were written.
+
+    A member whose parameter changed since the optimizer last wrote it (its first step, or the user loaded
+    the model's state dict) gets its part of the masters from the parameter's values, as the unsharded
+    optimizer does for its whole range.
+    """
+    state = buffer.state
+    state.ensure_master()
+    data = state.group.data
+    for member in members:
+        if member.param._version != member.version and member.end > member.start:
+            state.master[member.start : member.end].copy_(data[state.start + member.start : state.start + member.end])
+        member.version = member.param._version
+
+
+def current_members(buffer: _Buffer) -> list[_Member]:
+    """With master weights: the members whose masters agree with their parameters now (before a gather)."""
+    if not buffer.master_weights:
+        return []
+    return [m for m in buffer.members if m.version == m.param._version]
+
+
+def note_versions(members: list[_Member]) -> None:
+    """The optimizer wrote these members' parameters (update, all-gather): their masters still agree."""
+    for member in members:
+        member.version = member.param._version
 
 
 # ---------------------------------------------------------------------------- sharded
@@ -72,6 +102,7 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
         buffers.append(
             {
                 "state": {name: t.clone() for name, t in buffer.state.buffers.items()},
+                "master": None if buffer.state.master is None else buffer.state.master.clone(),
                 "steps": [float(buffer.state.steps[m.index]) for m in buffer.members],
                 "started": [m.started for m in buffer.members],
             }
@@ -131,6 +162,14 @@ def _load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         for member, step, started in zip(buffer.members, saved["steps"], saved["started"]):
             state.steps[member.index] = step
             member.started = bool(started)
+        master = saved.get("master")
+        if buffer.master_weights and master is not None:
+            state.ensure_master().copy_(master)
+            note_versions(buffer.members)  # the masters are the saved ones, not the parameters' rounding
+        elif buffer.master_weights:
+            state.master = None  # saved without masters: taken from the parameters at the next step
+            for member in buffer.members:
+                member.version = -1
 
 
 # ---------------------------------------------------------------------------- consolidated
@@ -169,6 +208,17 @@ def consolidated_state_dict(opt: ShardedOptimizer, to: int) -> dict[str, Any] | 
                         view = group.slot(whole, member.index)
                         result[ids[id(member.param)]][name] = view.clone(memory_format=torch.preserve_format)
             del whole, pieces  # one buffer's worth at a time
+        if buffer.master_weights and started:
+            refresh_masters(buffer, started)  # (the same on every rank: every rank takes part in the gather)
+            mine = buffer.state.master
+            whole = torch.empty(sharded.shards[-1].end, dtype=mine.dtype, device=mine.device) if here else None
+            pieces = [whole[s.start : s.end] for s in sharded.shards] if here else None
+            dist.gather(mine, pieces, dst=global_rank(opt.process_group, to), group=opt.process_group)
+            if here:
+                for member in started:
+                    view = group.slot(whole, member.index)
+                    result[ids[id(member.param)]][MASTER_KEY] = view.clone(memory_format=torch.preserve_format)
+            del whole, pieces
     if not here:
         return None
     return {"state": result, "param_groups": optim.state_dict()["param_groups"]}
@@ -225,12 +275,16 @@ def _load_consolidated(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Non
         for member in buffer.members:
             entry = saved_state.get(ids[id(member.param)]) or {}
             member.started = bool(entry)
+            member.version = -1  # masters: from the parameters at the next step, unless the entry has them
             if "step" in entry:
                 state.steps[member.index] = float(entry["step"])
             for name, value in entry.items():
-                if name not in names or not isinstance(value, torch.Tensor):
+                if name == MASTER_KEY and buffer.master_weights and isinstance(value, torch.Tensor):
+                    target = state.ensure_master()
+                elif name not in names or not isinstance(value, torch.Tensor):
                     continue
-                target = state.ensure(name)  # every rank creates the same names (all load the same dict)
+                else:
+                    target = state.ensure(name)  # every rank creates the same names (all load the same dict)
                 if member.end <= member.start:
                     continue
                 # The value in slot order (element k = element k of the parameter's slot), then our part of it.
@@ -238,6 +292,8 @@ def _load_consolidated(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Non
                 slot = torch.empty(member.param.numel(), dtype=target.dtype, device=target.device)
                 slot.as_strided(group.shapes[member.index], group.strides[member.index]).copy_(value)
                 target[member.start : member.end].copy_(slot[member.start - offset : member.end - offset])
+                if name == MASTER_KEY:
+                    member.version = member.param._version
             if member.started:  # its state buffers exist on every rank, loaded or not (the next step updates them)
                 for name in opt.optim._state_names(opt.param_groups[member.group]):
                     state.ensure(name)

@@ -69,7 +69,11 @@ class FusedDataParallel(torch.nn.Module):
     Attributes:
         flat: the :class:`~tfuse.flat.FlatParams` holding parameters and gradients.
         num_grad_tensors: gradient tensors per step (trainable parameters).
-        num_allreduce_calls: all-reduce calls per step after fusion (buckets).
+        num_allreduce_calls: all-reduce calls per step after fusion (buckets;
+            0 in sharded mode, unless its optimizer asked for ``reduce="all_reduce"``).
+        num_reduce_calls: in sharded mode (a :class:`~tfuse.distributed.ShardedOptimizer`
+            over the wrapped model), reduce-to-owner calls per step: one per
+            bucket and shard it meets, issued during backward.
         gradients_synchronized: True after a backward pass that averaged the
             gradients, False after one that only accumulated (``no_sync()``, or
             a gradient-merge step that is not the last).
@@ -177,14 +181,13 @@ class FusedDataParallel(torch.nn.Module):
         )
         register_compact_state_dict(module)
         self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
-        self.num_allreduce_calls = len(flat.buckets)
         rank = dist.get_rank(process_group)
         logger.log(
             logging.INFO if rank == 0 and synchronize else logging.DEBUG,
             "FusedDataParallel: %s, %s per step after fusion (bucket_mb=%s, max_params_per_bucket=%s); "
             "world size %d, %s",
             _plural(self.num_grad_tensors, "gradient tensor"),
-            _plural(self.num_allreduce_calls, "all-reduce call"),
+            _plural(len(flat.buckets), "all-reduce call"),
             self.bucket_mb,
             self.max_params_per_bucket,
             dist.get_world_size(process_group),
@@ -236,6 +239,16 @@ class FusedDataParallel(torch.nn.Module):
     def buckets(self) -> tuple[Bucket, ...]:
         """The all-reduce buckets, in the order they are issued."""
         return self._reducer.buckets
+
+    @property
+    def num_allreduce_calls(self) -> int:
+        """All-reduce calls per synchronizing backward (one per bucket; 0 when a ShardedOptimizer took it over)."""
+        return 0 if self._reducer.reduces_to_owners else len(self._reducer.buckets)
+
+    @property
+    def num_reduce_calls(self) -> int:
+        """Reduce-to-owner calls per synchronizing backward in sharded mode (0 otherwise)."""
+        return self._reducer.calls_per_step if self._reducer.reduces_to_owners else 0
 
     @property
     def gradients_synchronized(self) -> bool:

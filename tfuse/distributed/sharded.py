@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from tfuse._backend import select_backend
 from tfuse.distributed import _sharded_checkpoint as checkpoint
+from tfuse.distributed._reducer import GradientReducer, GradReceiver
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
-from tfuse.distributed.data_parallel import FusedDataParallel
+from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
 from tfuse.flat import FlatParams, Shard
 from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member
 from tfuse.optim._update import update
@@ -72,29 +73,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
         process_group: the ranks to shard over (None: the default group).
         reduce: how gradients reach their owners: ``"auto"`` (reduce-scatter
             on NCCL, one reduce per shard elsewhere), ``"reduce_scatter"``,
-            ``"reduce"`` or ``"all_reduce"``.
-        gather: how updated parameters come back: ``"auto"``/``"all_gather"``
-            (one all-gather per buffer) or ``"broadcast"`` (one broadcast per shard).
+            ``"reduce"`` or ``"all_reduce"``. Under FusedDataParallel the
+            wrapper reduces each bucket to its owners in backward (one reduce
+            per bucket and shard it meets, for ``reduce_scatter`` too), or
+            all-reduces its buckets with ``"all_reduce"``.
+        gather: how updated parameters come back: ``"auto"`` (one all-gather
+            per buffer on NCCL, one broadcast per shard elsewhere: faster on
+            gloo), ``"all_gather"`` or ``"broadcast"``.
         **defaults: the optimizer class's arguments (``lr``, ``betas``, ...).
 
-    Gradients: each rank's gradients are averaged over the ranks (divided by
-    the world size before summing, as DDP and FusedDataParallel do), so do
-    not also wrap the model in a data-parallel wrapper that all-reduces them.
-    A parameter whose gradient is None on every rank is skipped, as torch
-    skips it; one with a gradient on some ranks only is stepped with the
-    others counting zero. After :meth:`step` the gradient buffers hold
+    Gradients, on a plain model: :meth:`step` averages each rank's gradients
+    into their owners (divided by the world size before summing, as DDP
+    does). A parameter whose gradient is None on every rank is skipped, as
+    torch skips it; one with a gradient on some ranks only is stepped with
+    the others counting zero. After :meth:`step` the gradient buffers hold
     partial sums outside this rank's shard (what the reduction left there).
-    Under :class:`~tfuse.distributed.FusedDataParallel` (pass the wrapper or
-    its ``flat``) the wrapper has averaged them already and the reduction
-    here averages equal values: right, but twice the traffic (a wrapper
-    mode that sends gradients straight to their owners is not built yet).
+
+    Under :class:`~tfuse.distributed.FusedDataParallel` (pass the wrapper,
+    its ``flat`` or its parameters): the optimizer puts the wrapper into
+    sharded mode, so backward reduces each bucket straight to the owners of
+    its shards while it runs, with no all-reduce at all, and :meth:`step`
+    reduces nothing. The optimizer must then hold all of the wrapper's
+    trainable parameters, over the same process group (else ValueError).
+    After such a backward every rank holds the averaged gradient in its own
+    shards and zeros elsewhere; an inf/NaN in any rank's shard is made
+    visible on every rank, as an all-reduce would, so GradScaler skips and
+    rescales alike everywhere. ``no_sync()`` and gradient merge work as
+    without sharding; :meth:`step` after a backward that did not synchronize
+    (``model.gradients_synchronized`` False) raises RuntimeError. Deleting
+    the optimizer puts the wrapper back to all-reduce.
 
     Clipping: :meth:`clip_grad_norm_` (the norm of the sharded gradients,
     one scalar all-reduce). ``torch.amp.GradScaler`` works as with the fused
     optimizers: its ``found_inf`` is agreed across ranks (carried by the
     step's flag all-reduce), so a step with inf/NaN on any rank is skipped on
     every rank; each rank divides its own scale out before the reduction.
-    ``master_weights`` is not supported yet.
+
+    ``master_weights=True`` (float16/bfloat16 parameters): each rank keeps
+    float32 masters for its shard only, next to its shard of the float32
+    state; the update writes the masters and their rounding into the
+    parameters, which the all-gather brings to every rank.
 
     Example (on each of ``world_size`` ranks, after ``dist.init_process_group``):
         >>> import torch
@@ -124,8 +142,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
                 f"FusedAdam, FusedAdamW), got {optimizer_class!r}"
             )
-        if defaults.get("master_weights"):
-            raise ValueError("ShardedOptimizer: master_weights=True is not supported yet")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
@@ -151,6 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups  # one set of groups: LR schedulers change the inner one
         self._buffers = self._shard_buffers()
         self._layouts = [b.flat.layout_version for b in self._buffers]
+        self._reducers = self._take_over_reducers()
         self._pending: list[tuple[bool, ...]] | None = None  # gradients already reduced (by clip_grad_norm_)
         logger.info(
             "ShardedOptimizer: %s over %d ranks, %d flat buffer(s), reduce=%s, gather=%s",
@@ -172,10 +189,73 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not shards:
                 continue  # no trainable parameter in this buffer: nothing to update
             mine = shards[self.rank]
-            buffer = _Buffer(flat, flat.groups[index], False, span=(mine.start, mine.end))
+            buffer = _Buffer(flat, flat.groups[index], inner.master_weights, span=(mine.start, mine.end))
             buffer.set_members([_Member(m.param, m.group) for m in inner.members])
             result.append(_ShardedBuffer(buffer, index, shards, self.rank))
         return result
+
+    def _take_over_reducers(self) -> list[GradientReducer]:
+        """Puts the FusedDataParallel wrappers of these parameters into sharded mode (reduce to owners in backward).
+
+        Their gradients then reach the owners while backward runs, and
+        :meth:`step` reduces nothing. Refused when the wrapper averages over
+        another process group, or when this optimizer does not hold all of
+        the wrapper's trainable parameters (the others' gradients would only
+        be complete on their owners).
+        """
+        reducers = []
+        for flat in self.optim.flat_params:
+            receiver = flat.grad_receiver
+            reducer = receiver.reducer() if isinstance(receiver, GradReceiver) else None
+            if reducer is None or reducer.retired:
+                continue
+            same_group = reducer.group is self.process_group or (
+                _uses_default_group(reducer.group) and _uses_default_group(self.process_group)
+            )
+            if not same_group:
+                raise ValueError(
+                    "ShardedOptimizer: the parameters are wrapped by a FusedDataParallel over another process group; "
+                    "pass the same process_group to both"
+                )
+            mine = {id(m.param) for b in self._buffers for m in b.buffer.members}
+            left = [p for p in flat.params if p.requires_grad and id(p) not in mine]
+            if left:
+                name = flat.name_of(left[0]) or f"a parameter of shape {tuple(left[0].shape)}"
+                raise ValueError(
+                    f"ShardedOptimizer: the FusedDataParallel wrapper of these parameters also holds {name!r} "
+                    f"({len(left)} trainable parameter{'' if len(left) == 1 else 's'} in all) that this optimizer "
+                    "does not; under FusedDataParallel a ShardedOptimizer takes all of the model's trainable "
+                    "parameters (e.g. ShardedOptimizer(model.parameters(), ...)), since each rank ends backward "
+                    "with the gradients of its shards only"
+                )
+            reducer.reduce_to_owners(self, all_reduce=self.reduce_mode == "all_reduce")
+            reducers.append(reducer)
+        return reducers
+
+    def _sharded_backward(self) -> bool:
+        """Whether a FusedDataParallel wrapper reduces the gradients to their owners during backward."""
+        return any(reducer.sharded_by is self for reducer in self._reducers)
+
+    def _reduced_by_backward(self, found_inf: torch.Tensor | None) -> tuple[list[tuple[bool, ...]], bool]:
+        """Step set-up in sharded backward mode: which members have gradients, and whether to skip.
+
+        Every rank holds the same set of gradients after a synchronizing
+        backward (FusedDataParallel completed the missing ones or raised), and
+        a non-finite gradient was made visible on every rank, so both answers
+        agree across ranks without a collective.
+        """
+        self._check_layout()
+        active = [tuple(m.param.grad is not None for m in b.buffer.members) for b in self._buffers]
+        if any(any(on) for on in active):
+            unsynced = [r for r in self._reducers if r.sharded_by is self and not r.synchronized]
+            if unsynced:
+                raise RuntimeError(
+                    "ShardedOptimizer: the last backward pass did not reduce the gradients to their owners (it ran "
+                    "inside no_sync() or was a gradient-merge micro-batch); step when model.gradients_synchronized "
+                    "is True"
+                )
+        skip = found_inf is not None and bool(found_inf.detach().float().sum() > 0)
+        return active, skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the shards are laid out once (create a new ShardedOptimizer)."""
@@ -190,8 +270,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.optim.flat_params
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (its shards of the state buffers)."""
-        return sum(t.numel() * t.element_size() for b in self._buffers for t in b.buffer.state.buffers.values())
+        """Bytes of optimizer state this rank holds: its shards of the state buffers and of the float32 masters."""
+        tensors = [t for b in self._buffers for t in (*b.buffer.state.buffers.values(), b.buffer.state.master)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's ``Optimizer.zero_grad`` (one op per flat buffer)."""
@@ -214,7 +295,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Set by torch.amp.GradScaler (see _step_supports_amp_scaling); absent otherwise.
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
-        if self._pending is None:
+        if self._pending is None and self._sharded_backward():
+            # Reduced during backward, still scaled (every rank's GradScaler has the same scale): the update unscales.
+            active, skip = self._reduced_by_backward(found_inf)
+        elif self._pending is None:
             active, skip = self._reduce_grads(grad_scale, found_inf)
             grad_scale = None  # unscaled before the reduction
         else:  # clip_grad_norm_ reduced them already (after GradScaler.unscale_, grad_scale is None)
@@ -228,7 +312,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._update(sharded, on, grad_scale)
                 stepped.append(sharded)
         for sharded in stepped:  # the same buffers, in the same order, on every rank
+            current = checkpoint.current_members(sharded.buffer)
             gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
+            checkpoint.note_versions(current)  # the gather wrote the parameters, not the user
         return loss
 
     def _reduce_grads(
@@ -285,7 +371,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         max_norm, norm_type = float(max_norm), float(norm_type)
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"ShardedOptimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
-        if self._pending is None:
+        if self._pending is None and self._sharded_backward():
+            self._pending, _ = self._reduced_by_backward(None)
+        elif self._pending is None:
             self._pending, _ = self._reduce_grads()  # (no GradScaler flag here: step agrees on it)
         pieces = []
         for sharded, on in zip(self._buffers, self._pending):
@@ -371,6 +459,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = buffer.plan(tuple(active and m.end > m.start for m, active in zip(buffer.members, on)))
         if fresh_members:
             checkpoint.start_state(optim, buffer, fresh_members)
+        if buffer.master_weights:
+            checkpoint.refresh_masters(buffer, members)
         if not plan.members:
             return
         fresh = [m in fresh_members for m in plan.members]
@@ -379,6 +469,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         table = buffer.table(plan, member_rows, optim._pads_stay_zero())
         backend = select_backend(buffer.device, f"ShardedOptimizer({type(optim).__name__})")
         update(optim.family, state.buffers_for_update(), table, rows, grad_scale=grad_scale, backend=backend)
+        checkpoint.note_versions(plan.members if buffer.master_weights else [])  # masters and parameters agree
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -403,6 +494,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raises ValueError naming the difference (nothing is changed then).
         """
         checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: a ShardedOptimizer holds one rank's shard and a process group, which a copy cannot share."""
+        raise TypeError(
+            "ShardedOptimizer cannot be pickled or deep-copied (it holds this rank's shard of the state and a "
+            "process group); save state_dict() (this rank's shard) or consolidated_state_dict() (the whole state, "
+            "torch.optim format) and load it into a new ShardedOptimizer"
+        )
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(rank {self.rank} of {self.world_size}, {self.optim!r})"
