@@ -31,7 +31,7 @@ from tfuse.nn import (
 )
 
 from dist_helpers import run_world
-from helpers import make_input
+from helpers import assert_batch_norm_input_grad_accurate, make_input
 
 TORCH_ACT = {
     "identity": lambda y: y,
@@ -158,7 +158,13 @@ def test_batchnorm_without_bias_matches_torch(cls, act, backend, device):
         torch.testing.assert_close(y, expected)
         dy = torch.randn_like(y)
         y.backward(dy), expected.backward(dy)
-        torch.testing.assert_close(x.grad, x_ref.grad)
+        if training:  # d(x) against float64 within the bound of its terms (they cancel for some data)
+            z = F.batch_norm(x.detach().double(), None, None, fused.weight.detach().double(), None, training=True,
+                             eps=reference.eps).requires_grad_()
+            (grad_out,) = torch.autograd.grad(TORCH_ACT[act](z), z, dy.double())
+            assert_batch_norm_input_grad_accurate(x.grad, x, fused.weight, grad_out, reference.eps)
+        else:
+            torch.testing.assert_close(x.grad, x_ref.grad)
         torch.testing.assert_close(fused.weight.grad, reference.weight.grad)
         fused.weight.grad = reference.weight.grad = None
         torch.testing.assert_close(fused.running_mean, reference.running_mean)
@@ -344,7 +350,10 @@ def test_sync_path_is_syncbatchnorm_then_residual_and_act(monkeypatch, device):
     torch.testing.assert_close(y, expected)
     dy = torch.randn_like(y)
     y.backward(dy), expected.backward(dy)
-    torch.testing.assert_close(x.grad, x_ref.grad)
+    z = F.batch_norm(x.detach().double(), None, None, layer.weight.detach().double(), layer.bias.detach().double(),
+                     training=True, eps=layer.eps).requires_grad_()
+    (grad_out,) = torch.autograd.grad(F.leaky_relu(z + skip.detach().double(), 0.2), z, dy.double())
+    assert_batch_norm_input_grad_accurate(x.grad, x, layer.weight, grad_out, layer.eps)  # float64, within its bound
     torch.testing.assert_close(skip.grad, skip_ref.grad)
     with pytest.raises(ValueError, match=r"residual must have x's shape \[2, 4, 3, 3\]"):
         layer(x, residual=skip[:1])
