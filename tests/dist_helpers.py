@@ -113,3 +113,30 @@ def scenario(ranks: list[dict], name: str) -> list[dict]:
             pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{outcome['error']}")
         values.append(outcome["value"])
     return values
+
+
+def run_named(suite: dict[str, Callable[[int, int], Any]], rank: int, world: int, names: list[str],
+              barrier: bool = True) -> dict:
+    """Runs the named scenarios of ``suite`` one after another in one process group (ranks start once).
+
+    Each result is ``{"value": ...}`` or ``{"error": "Type: message\ntraceback"}`` (see :func:`scenario`).
+    ``barrier``: ranks meet after each scenario, so that one that failed on one rank cannot pair its
+    collectives with the next one's.
+    """
+    results = {}
+    for name in names:
+        try:
+            results[name] = {"value": suite[name](rank, world)}
+        except Exception as error:  # noqa: BLE001 - reported by the test of that scenario
+            results[name] = {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}
+        if barrier:
+            dist.barrier()
+    return results
+
+
+def assert_a_killed_rank_makes_the_others_raise(fn: Callable[..., Any], world: int = 2) -> None:
+    """``fn`` makes its last rank die mid-run (``os._exit``): the others must raise, not hang or finish."""
+    outcomes = run_world(fn, world, timeout=120, pg_timeout_s=30)
+    assert not outcomes[-1].exited
+    assert all(o.error is not None for o in outcomes[:-1]), "a surviving rank finished as if nothing happened"
+

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dist_helpers import run_named
+
 from tfuse.distributed import FusedDataParallel
 from tfuse.flat import flat_params_of
 from tfuse.optim import FusedAdam, FusedMomentum
@@ -631,12 +633,4 @@ SUITE = {
 
 def run_suite(rank: int, world: int, names: list[str]) -> dict:
     """Runs the named scenarios one after another in one process group (ranks start once)."""
-    import traceback
-
-    results = {}
-    for name in names:
-        try:
-            results[name] = {"value": SUITE[name](rank, world)}
-        except Exception as error:  # noqa: BLE001 - reported by the test of that scenario
-            results[name] = {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}
-    return results
+    return run_named(SUITE, rank, world, names, barrier=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import run_world, scenario
+from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world, scenario
 from sharded_scenarios import OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
@@ -205,9 +205,7 @@ def test_a_sharded_state_dict_at_another_world_size_or_layout_fails_on_every_ran
 
 
 def test_a_killed_rank_makes_the_others_raise():
-    outcomes = run_world(killed_rank, 2, timeout=120, pg_timeout_s=30)
-    assert not outcomes[1].exited
-    assert outcomes[0].error is not None, "the surviving rank finished as if nothing happened"
+    assert_a_killed_rank_makes_the_others_raise(killed_rank)
 
 
 def test_bad_arguments_are_refused_naming_them():

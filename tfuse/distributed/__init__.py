@@ -5,6 +5,8 @@
   ``no_sync()``, unused-parameter handling and a cross-rank model check.
 - :class:`ShardedOptimizer`: a fused optimizer whose state and update are
   split across ranks (ZeRO stage 1), with consolidated and sharded checkpoints.
+- :class:`LocalSGD`: local steps with a model average (or a DiLoCo-style
+  outer step, :class:`OuterSGD`) every k iterations, over the flat buffers.
 - :func:`init_process_group_from_env`: process-group set-up under torchrun
   (NCCL with one GPU per process, or gloo on the CPU).
 """
@@ -21,6 +23,14 @@ import torch.distributed.nn.functional  # noqa: F401
 
 from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.distributed.launch import init_process_group_from_env
+from tfuse.distributed.local_sgd import AdaptiveInterval, LocalSGD, OuterSGD
 from tfuse.distributed.sharded import ShardedOptimizer
 
-__all__ = ["FusedDataParallel", "ShardedOptimizer", "init_process_group_from_env"]
+__all__ = [
+    "AdaptiveInterval",
+    "FusedDataParallel",
+    "LocalSGD",
+    "OuterSGD",
+    "ShardedOptimizer",
+    "init_process_group_from_env",
+]

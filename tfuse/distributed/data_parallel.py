@@ -209,7 +209,7 @@ class FusedDataParallel(torch.nn.Module):
                 "state_dict) instead"
             )
         state = dict(self.__dict__)
-        for key in ("_flat_ref", "_reducer", "process_group", "_params", "_param_names", "_requires_grad"):
+        for key in ("_flat_ref", "_reducer", "process_group", "_params", "_param_names", "_requires_grad", "_paused"):
             state.pop(key, None)
         return state
 
@@ -275,7 +275,7 @@ class FusedDataParallel(torch.nn.Module):
             self._check_requires_grad()
             self._reducer.check_idle()
             self._reducer.prepare_for_backward()
-            if self.broadcast_buffers:
+            if self.broadcast_buffers and not getattr(self, "_paused", False):
                 buffers = list(self.module.buffers())
                 if buffers:
                     broadcast_tensors(buffers, self.process_group)
@@ -301,6 +301,14 @@ class FusedDataParallel(torch.nn.Module):
             yield
         finally:
             self._reducer.no_sync_depth -= 1
+
+    def _pause_communication(self, paused: bool) -> None:
+        """LocalSGD's local phase: backward passes accumulate locally (as inside ``no_sync()``) and
+        forward broadcasts no buffers; LocalSGD averages parameters and buffers at its syncs instead."""
+        if paused == getattr(self, "_paused", False):
+            return
+        self._paused = paused
+        self._reducer.no_sync_depth += 1 if paused else -1
 
     def _check_requires_grad(self) -> None:
         if all(p.requires_grad == before for p, before in zip(self._params, self._requires_grad)):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tfuse._backend import select_backend
 from tfuse.distributed import _sharded_checkpoint as checkpoint
+from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._reducer import GradientReducer, GradReceiver
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
 from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
@@ -142,14 +143,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
                 f"FusedAdam, FusedAdamW), got {optimizer_class!r}"
             )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
-                f"got {type(process_group).__name__}"
-            )
         check_modes(reduce, gather)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShardedOptimizer: torch.distributed is not initialized (call init_process_group first)")
+        require_process_group("ShardedOptimizer", process_group)
         self.process_group = process_group
         self.reduce_mode, self.gather_mode = resolve_modes(reduce, gather, process_group)
         self.rank = dist.get_rank(process_group)
