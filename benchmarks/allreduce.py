@@ -49,6 +49,7 @@ from .harness import (
     check_timing,
     copy_reference,
     difference,
+    round_order,
     worse_flag,
 )
 from .ranks import launch, rank_group
@@ -260,8 +261,7 @@ def _time_configs(configs: list[_Config], device: torch.device, rounds: int, ite
         if dist.get_rank() == 0:
             print(f"[allreduce round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
                   f"{len(configs)} configurations x {iterations} steps", file=sys.stderr, flush=True)
-        shift = round_index % len(configs)
-        for index in list(range(shift, len(configs))) + list(range(shift)):
+        for index in round_order(round_index, len(configs)):
             config = configs[index]
             for _ in range(iterations):
                 dist.barrier()

@@ -336,6 +336,13 @@ class Flag:
             raise ValueError(f"Flag kind must be 'noisy' or 'implausible', got {self.kind!r}")
 
 
+def round_order(round_index: int, count: int) -> list[int]:
+    """The order in which round ``round_index`` visits ``count`` configurations: each round starts one later,
+    so drift on a shared machine hits them all alike."""
+    shift = round_index % count
+    return list(range(shift, count)) + list(range(shift))
+
+
 def worse_flag(a: Flag | None, b: Flag | None) -> Flag | None:
     """The graver of two flags (implausible over noisy; the first of equals), or None when neither is set."""
     if a is None or (b is not None and b.kind == "implausible" and a.kind == "noisy"):

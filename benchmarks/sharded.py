@@ -48,6 +48,7 @@ from .harness import (
     Timing,
     check_stall,
     check_timing,
+    round_order,
     worse_flag,
 )
 from .ranks import launch, rank_group
@@ -143,8 +144,7 @@ def _time_configs(configs: list[_Config], device: torch.device, rounds: int, ite
             elapsed = time.perf_counter() - start
             print(f"[sharded {configs[0].model}, round {round_index + 1}/{rounds}, {elapsed:.0f} s] "
                   f"{len(configs)} configurations x {iterations} steps", file=sys.stderr, flush=True)
-        shift = round_index % len(configs)
-        for index in list(range(shift, len(configs))) + list(range(shift)):
+        for index in round_order(round_index, len(configs)):
             for _ in range(iterations):
                 dist.barrier()
                 if device.type == "cuda":

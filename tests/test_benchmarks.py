@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded"]
+ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded", "localsgd"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -419,3 +419,19 @@ def test_sharded_benchmark(quick_run):
     for sharded in ("tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam)"):
         assert float(by_config[sharded]["state vs unsharded"].rstrip("x")) <= 0.55
     _time_cells(rows, "step ms")
+
+
+def test_localsgd_benchmark(quick_run):
+    _, rows = _table(quick_run, "localsgd")
+    assert [row["configuration"] for row in rows] == [
+        "FusedDataParallel (every-step all-reduce)", "LocalSGD k=1", "LocalSGD k=4", "LocalSGD k=16"]
+    by_config = {row["configuration"]: row for row in rows}
+    # A sync sends the flat parameter buffer once: 1/k of what every-step synchronisation sends (gradient buckets
+    # and parameters have the same padded size), within the rounding of the cell.
+    assert by_config["LocalSGD k=1"]["bytes vs every step"] == "1.000x"
+    assert by_config["LocalSGD k=4"]["bytes vs every step"] == "0.250x"
+    assert by_config["LocalSGD k=16"]["bytes vs every step"] == "0.062x"
+    for row in rows:
+        assert 0.0 < float(row["final loss"]) < 10.0 and row["held-out accuracy"].endswith("%")
+    _time_cells(rows, "comm ms/step", "step ms")
+

@@ -1,4 +1,4 @@
-"""tfuse.distributed.LocalSGD on real gloo process groups (2 ranks on localhost).
+"""tfuse.distributed.LocalSGD on real gloo process groups (2 and 3 ranks on localhost).
 
 The scenarios (tests/local_sgd_scenarios.py) run inside spawned ranks; one
 process group runs all of them once (a module fixture) and each test checks
@@ -27,6 +27,17 @@ def world2() -> list[dict]:
     return [outcome.unwrap() for outcome in outcomes]
 
 
+@pytest.fixture(scope="module")
+def world3(world2) -> list[dict]:  # (after world2: one process group at a time)
+    outcomes = run_world(run_suite, 3, timeout=240, pg_timeout_s=60, names=["replicas", "outer"])
+    return [outcome.unwrap() for outcome in outcomes]
+
+
+@pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
+def world(request) -> list[dict]:
+    return request.getfixturevalue(f"world{request.param}")
+
+
 def assert_trajectory(result: dict, **tolerance) -> None:
     for iteration, (mine, theirs) in enumerate(zip(result["trajectory"], result["expected"]), start=1):
         for a, b in zip(mine, theirs):
@@ -39,8 +50,8 @@ def test_sync_every_step_with_plain_sgd_is_synchronous_data_parallelism(world2):
         assert_trajectory(result, **TIGHT)
 
 
-def test_between_syncs_each_rank_trains_alone_and_a_sync_averages_the_replicas(world2):
-    for result in scenario(world2, "replicas"):
+def test_between_syncs_each_rank_trains_alone_and_a_sync_averages_the_replicas(world):
+    for result in scenario(world, "replicas"):
         assert_trajectory(result, **TIGHT)
         assert result["syncs"] == [0, 0, 1, 1, 1, 2]
         assert result["collectives_per_sync"] == 1  # one flat buffer, no module buffers
@@ -49,8 +60,8 @@ def test_between_syncs_each_rank_trains_alone_and_a_sync_averages_the_replicas(w
         assert result["calls"] == [0, 0, 1, 0, 0, 1]  # nothing between syncs, one all-reduce per sync
 
 
-def test_the_outer_nesterov_step_equals_the_float64_reference(world2):
-    for result in scenario(world2, "outer"):
+def test_the_outer_nesterov_step_equals_the_float64_reference(world):
+    for result in scenario(world, "outer"):
         assert_trajectory(result, **TIGHT)
 
 
