@@ -106,19 +106,26 @@ def steer_clear_of_cancellation(optimizer: torch.optim.Optimizer, margin: float 
     Changes ``optimizer``'s gradients in place, before they are copied to the fused side.
     """
     for group in optimizer.param_groups:
-        decay = float(group.get("weight_decay", 0.0))
-        if decay == 0.0 or group.get("decoupled_weight_decay", False):
-            continue
-        sign = -1.0 if group.get("maximize", False) else 1.0
         for param in group["params"]:
-            if param.grad is None or not param.grad.dtype.is_floating_point:
-                continue
-            grad, decayed = param.grad, decay * param.detach()
-            effective = sign * grad + decayed
-            near = effective.abs() < margin * (grad.abs() + decayed.abs())
-            if bool(near.any()):
-                push = torch.where(effective >= 0, 1.0, -1.0) * 3 * margin * (grad.abs() + decayed.abs())
-                grad.add_(torch.where(near, sign * push, torch.zeros_like(grad)))
+            if param.grad is not None and param.grad.dtype.is_floating_point:
+                clear_of_cancellation(param.grad, param.detach(), group, margin)
+
+
+def clear_of_cancellation(grad: torch.Tensor, param: torch.Tensor, options: dict, margin: float = 0.01) -> None:
+    """The tensor-level rule of :func:`steer_clear_of_cancellation`: nudges ``grad`` in place where the
+    L2-decayed gradient ``±grad + weight_decay * param`` of ``options`` (torch.optim's names) is within
+    ``margin`` of its operands' size from zero. Nothing changes without (coupled) weight decay."""
+    decay = float(options.get("weight_decay", 0.0))
+    if decay == 0.0 or options.get("decoupled_weight_decay", False):
+        return
+    sign = -1.0 if options.get("maximize", False) else 1.0
+    decayed = decay * param
+    effective = sign * grad + decayed
+    size = grad.abs() + decayed.abs()
+    near = effective.abs() < margin * size
+    if bool(near.any()):
+        push = torch.where(effective >= 0, 1.0, -1.0) * 3 * margin * size
+        grad.add_(torch.where(near, sign * push, torch.zeros_like(grad)))
 
 
 def run_side_by_side(

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from optim_helpers import make_pair, run_side_by_side
+from optim_helpers import clear_of_cancellation, make_pair, run_side_by_side
 from torch import nn
 
 import tfuse
@@ -242,6 +242,8 @@ def test_the_update_over_a_sub_range_is_torchs_and_leaves_the_rest_alone(update_
     with tfuse.use_backend(backend):
         for step in (1, 2, 3):
             grad = torch.randn(n, device=device, dtype=dtype)
+            if dtype == torch.float32:  # well-conditioned data for the float32 comparison (see optim_helpers)
+                clear_of_cancellation(grad[a:b], param[a:b], options)
             grads.append(grad[a:b].clone())
             before = param.clone(), grad.clone(), {k: v.clone() for k, v in state.items()}
             update_fn(FlatBuffers(param, grad, state), table, [row(options, step)])
