@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world, scenario
 from local_sgd_scenarios import SUITE, killed_rank, run_suite
 
-from tfuse.distributed import AdaptiveInterval, LocalSGD, OuterSGD
+from tfuse.distributed import AdaptiveInterval, LocalSGD, OuterSGD, ShardedOptimizer
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -130,3 +130,6 @@ def test_bad_arguments_are_refused_naming_them():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             LocalSGD(layer, opt, sync_every=2)
+    sharded = ShardedOptimizer.__new__(ShardedOptimizer)  # the type is what is refused (no process group needed)
+    with pytest.raises(ValueError, match="the optimizer is a ShardedOptimizer, which communicates at every step"):
+        LocalSGD(layer, sharded, sync_every=2)

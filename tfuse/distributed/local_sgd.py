@@ -28,6 +28,7 @@ from tfuse._backend import select_backend
 from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._state_sync import broadcast_tensors
 from tfuse.distributed.data_parallel import FusedDataParallel
+from tfuse.distributed.sharded import ShardedOptimizer
 from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim._update import FlatBuffers, RunTable, SGDStep, sgd_update
 
@@ -172,6 +173,12 @@ class LocalSGD:
             raise TypeError(f"LocalSGD: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LocalSGD: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, ShardedOptimizer):
+            raise ValueError(
+                "LocalSGD: the optimizer is a ShardedOptimizer, which communicates at every step (each rank updates "
+                "only its shard); LocalSGD needs an optimizer that steps each rank's whole model on its own "
+                "(e.g. FusedAdam or FusedMomentum)"
+            )
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"LocalSGD: sync_every must be an int >= 1, got {sync_every!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
