@@ -34,7 +34,7 @@ from tfuse.distributed._reducer import GradientReducer, GradReceiver
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
 from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
 from tfuse.flat import FlatParams, Shard
-from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member
+from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member, closure_and_amp
 from tfuse.optim._update import update
 
 logger = logging.getLogger(__name__)
@@ -283,13 +283,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Args:
             closure: reevaluates the model and returns the loss (as in torch.optim).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Set by torch.amp.GradScaler (see _step_supports_amp_scaling); absent otherwise.
-        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
-        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = closure_and_amp(self, closure)
         if self._pending is None and self._sharded_backward():
             # Reduced during backward, still scaled (every rank's GradScaler has the same scale): the update unscales.
             active, skip = self._reduced_by_backward(found_inf)

@@ -72,6 +72,18 @@ class _Plan:
         self.tables: collections.OrderedDict[Any, RunTable] = collections.OrderedDict()
 
 
+def closure_and_amp(
+    optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None
+) -> tuple[float | None, torch.Tensor | None, torch.Tensor | None]:
+    """The start of a step: the closure's loss (run with gradients on), and GradScaler's ``grad_scale`` and
+    ``found_inf`` (set on the optimizer when it declares ``_step_supports_amp_scaling``; None otherwise)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    return loss, getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+
+
 class _Buffer:
     """One flat parameter buffer the optimizer updates.
 
@@ -375,12 +387,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         Args:
             closure: reevaluates the model and returns the loss (as in torch.optim).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = closure_and_amp(self, closure)
         if found_inf is not None and bool(found_inf.item()):
             # GradScaler found inf/NaN: skip the step, nothing changes (reads one scalar, as GradScaler does).
             return loss
