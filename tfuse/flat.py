@@ -498,6 +498,7 @@ class FlatParams:
     def _grad_ready_hook(self) -> Callable[[torch.Tensor], None]:
         flat = weakref.ref(self)  # the hook must not keep the FlatParams alive
 
+        @torch.compiler.disable  # bookkeeping on the host, never traced (backward called inside compiled code)
         def grad_ready(param: torch.Tensor) -> None:
             # Runs in backward once autograd has accumulated param.grad.
             owner = flat()

@@ -17,6 +17,7 @@ from tfuse._backend import Backend, log_backend_once, select_backend
 from tfuse._kit import acc_dtype
 from tfuse._launch import launch
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
+from tfuse.ops._library import compiling, op_backend
 from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
 
 #: Most inputs one launch adds (each input is a pointer and a stride tuple of
@@ -57,6 +58,8 @@ def add(*tensors: torch.Tensor) -> torch.Tensor:
         tensors = tuple(t.to(device) if is_cpu_scalar(t) else t for t in tensors)
     shape = broadcast_shape("add", [t.shape for t in tensors])
     dtype = promote_float_dtypes(tensors)
+    if compiling():
+        return torch.ops.tfuse.add(list(tensors))
     backend = select_backend(device, "add")
     log_backend_once(_log, "add", backend, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -135,3 +138,29 @@ class _AddFunction(torch.autograd.Function):
             for (shape, dtype), needed in zip(ctx.input_meta, ctx.needs_input_grad[3:])
         ]
         return (None, None, None, *grads)
+
+
+# ---------------------------------------------------------------------------- the torch.library op
+
+
+@torch.library.triton_op("tfuse::add", mutates_args=())
+def _add_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.ops.tfuse.add``: :func:`add` as a registered op (arguments checked by the caller)."""
+    device = tensors[0].device
+    shape = broadcast_shape("add", [t.shape for t in tensors])
+    return add_forward(tensors, shape, promote_float_dtypes(tensors), op_backend(device, "add", tensors[0]))
+
+
+def _add_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    (tensors,) = inputs
+    ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
+
+
+def _add_backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
+    needed = ctx.needs_input_grad[0]  # one flag per tensor of the list
+    return [
+        sum_to_input(grad_out, shape, dtype) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)
+    ]
+
+
+_add_op.register_autograd(_add_backward, setup_context=_add_setup)

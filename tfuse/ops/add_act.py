@@ -26,6 +26,7 @@ from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_
 from tfuse._launch import gpu_sm_count, launch, target_programs
 from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
+from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend
 from tfuse.ops._tiles import (
     COL,
     COL_ALIGN,
@@ -141,6 +142,8 @@ def add_act(
     dtype = promote_float_dtypes(tensors)
     if inplace:
         _check_inplace(act, negative_slope, tensors, dtype)
+    if compiling():
+        return _add_act_traced(tensors, act, negative_slope, inplace)
     backend = select_backend(device, "add_act")
     log_backend_once(_log, "add_act", backend, device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
@@ -160,6 +163,8 @@ def linear_epilogue(
     small layer's time, and keeps only the backend choice.
     """
     tensors = (product,) if bias is None else (product, bias)
+    if compiling():
+        return _add_act_traced(tensors, act, negative_slope, inplace)
     backend = select_backend(product.device, "add_act")
     log_backend_once(_log, "add_act", backend, product.device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
@@ -183,6 +188,8 @@ def _check_inplace(act: Activation, negative_slope: float, tensors: Sequence[tor
             f"tfuse.add_act: inplace=True needs a dense x (no overlapping or skipped elements); "
             f"x has shape {list(x.shape)} and strides {list(x.stride())}"
         )
+    if compiling():
+        return  # traced: the op computes out of place and copies into x, so shared memory is harmless
     storage = x.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == storage for t in tensors[1:]):
         raise ValueError("tfuse.add_act: inplace=True needs others that share no memory with x")
@@ -407,20 +414,14 @@ def _backward_plan(
     programs: int,
     interpreted: bool,
 ) -> _BackwardPlan:
-    # One gradient buffer per slot: full-size inputs of one dtype share one
-    # buffer (their gradients are equal); broadcast inputs get their own.
-    slots: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, list[int]]] = []
-    full_size_slot: dict[torch.dtype, int] = {}
-    for index, ((shape, dtype), need) in enumerate(zip(input_meta, needed)):
-        if not need:
-            continue
+    # One gradient buffer per slot (grad_slots: full-size inputs of one dtype share one).
+    slots = []
+    for indices in grad_slots(out_shape, input_meta, needed):
+        shape, dtype = input_meta[indices[0]]
         if tuple(shape) == out_shape:
-            if dtype not in full_size_slot:
-                full_size_slot[dtype] = len(slots)
-                slots.append((out_shape, out_strides, dtype, []))
-            slots[full_size_slot[dtype]][3].append(index)
+            slots.append((out_shape, out_strides, dtype, indices))
         else:
-            slots.append((tuple(shape), reduced_grad_strides(shape, out_shape, out_strides), dtype, [index]))
+            slots.append((tuple(shape), reduced_grad_strides(shape, out_shape, out_strides), dtype, indices))
 
     n_src = len(src_layouts)
     layouts = [dy_layout[:2], *src_layouts, *((shape, strides) for shape, strides, _, _ in slots)]
@@ -586,3 +587,143 @@ def _broadcast_row_strides(plan: TilePlan, strides: Sequence[int]) -> tuple[tupl
             red[dim] = running
             running *= plan.outer_sizes[dim]
     return tuple(red), running
+
+
+# ---------------------------------------------------------------------------- the torch.library ops
+
+
+def _add_act_traced(tensors: Sequence[torch.Tensor], act: Activation, negative_slope: float, inplace: bool):
+    """What :func:`add_act` is under ``torch.compile``: the registered op (``inplace``: copied into x,
+    which functionalization turns back into one buffer)."""
+    y = torch.ops.tfuse.add_act(list(tensors), int(act), float(negative_slope))
+    return tensors[0].copy_(y) if inplace else y
+
+
+@torch.library.triton_op("tfuse::add_act", mutates_args=())
+def _add_act_op(tensors: list[torch.Tensor], act: int, negative_slope: float) -> torch.Tensor:
+    """``torch.ops.tfuse.add_act``: ``act(sum(tensors))`` (:func:`add_act`; arguments checked by the caller)."""
+    backend = op_backend(tensors[0].device, "add_act", tensors[0])
+    spec = _ActSpec(Activation(act), negative_slope, backend)
+    return add_act_forward(tensors, promote_float_dtypes(tensors), spec)
+
+
+@dataclasses.dataclass
+class _BackwardArgs:
+    """What the backward functions read (the fields an autograd ctx of :class:`_AddActFunction` has)."""
+
+    spec: _ActSpec
+    input_meta: list[tuple[torch.Size, torch.dtype]]
+    out_layout: tuple[torch.Size, tuple[int, ...]]
+    grad_source: GradSource
+
+
+def grad_slots(
+    out_shape: Sequence[int], input_meta: Sequence[tuple[Sequence[int], torch.dtype]], needed: Sequence[bool]
+) -> list[list[int]]:
+    """The inputs each gradient buffer of the backward serves: full-size inputs of one dtype share one
+    buffer (their gradients are equal), every broadcast input gets its own."""
+    slots: list[list[int]] = []
+    full_size: dict[torch.dtype, int] = {}
+    for index, ((shape, dtype), need) in enumerate(zip(input_meta, needed)):
+        if not need:
+            continue
+        if tuple(shape) == tuple(out_shape):
+            if dtype not in full_size:
+                full_size[dtype] = len(slots)
+                slots.append([])
+            slots[full_size[dtype]].append(index)
+        else:
+            slots.append([index])
+    return slots
+
+
+@torch.library.triton_op("tfuse::add_act_backward", mutates_args=())
+def _add_act_backward_op(
+    grad_out: torch.Tensor,
+    saved: list[torch.Tensor],
+    act: int,
+    negative_slope: float,
+    out_shape: list[int],
+    out_strides: list[int],
+    input_shapes: list[int],
+    input_ranks: list[int],
+    input_dtypes: list[int],
+    needed: list[bool],
+) -> list[torch.Tensor]:
+    """``torch.ops.tfuse.add_act_backward``: the gradients of :func:`add_act`'s inputs, one tensor per
+    gradient buffer (see :func:`grad_slots`: inputs of the output's shape and one dtype share one).
+
+    ``saved``: what the forward kept (nothing, the output, or the inputs; see
+    the module docstring); ``input_shapes``: the inputs' shapes one after the
+    other, ``input_ranks`` their lengths; ``input_dtypes``: codes of
+    :data:`tfuse.ops._library.DTYPES`.
+    """
+    meta, offset = [], 0
+    for rank, code in zip(input_ranks, input_dtypes):
+        meta.append((torch.Size(input_shapes[offset : offset + rank]), DTYPES[code]))
+        offset += rank
+    activation = Activation(act)
+    backend = op_backend(grad_out.device, "add_act", grad_out)
+    args = _BackwardArgs(
+        _ActSpec(activation, negative_slope, backend),
+        meta,
+        (torch.Size(out_shape), tuple(out_strides)),
+        activation.grad_source(negative_slope),
+    )
+    if backend is Backend.TRITON:
+        grads = _backward_triton(args, grad_out, saved, needed)
+    else:
+        grads = _backward_torch(args, grad_out, saved, needed)
+    result = []
+    for indices in grad_slots(out_shape, meta, needed):
+        grad = grads[indices[0]]
+        if any(grad.untyped_storage() is t.untyped_storage() for t in (grad_out, *saved)):
+            grad = grad.clone()  # an op's outputs never alias its inputs
+        result.append(grad)
+    return result
+
+
+def _add_act_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    tensors, act, negative_slope = inputs
+    activation = Activation(act)
+    ctx.act, ctx.negative_slope = activation, negative_slope
+    ctx.grad_source = activation.grad_source(negative_slope)
+    ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
+    ctx.out_layout = (output.shape, output.stride())
+    if ctx.grad_source is GradSource.OUTPUT:
+        ctx.save_for_backward(output)
+    elif ctx.grad_source is GradSource.INPUT:
+        ctx.save_for_backward(*tensors)
+
+
+def _add_act_backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
+    needed = list(ctx.needs_input_grad[0])
+    saved = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: differentiable torch ops (see _backward_torch)
+        args = _BackwardArgs(_ActSpec(ctx.act, ctx.negative_slope, Backend.TORCH), *_meta_of(ctx))
+        return _backward_torch(args, grad_out, saved, needed), None, None
+    out_shape, out_strides = ctx.out_layout
+    slots = torch.ops.tfuse.add_act_backward(
+        grad_out,
+        list(saved),
+        int(ctx.act),
+        ctx.negative_slope,
+        list(out_shape),
+        list(out_strides),
+        [size for shape, _ in ctx.input_meta for size in shape],
+        [len(shape) for shape, _ in ctx.input_meta],
+        [dtype_code(dtype) for _, dtype in ctx.input_meta],
+        needed,
+    )
+    grads: list[torch.Tensor | None] = [None] * len(ctx.input_meta)
+    for grad, indices in zip(slots, grad_slots(out_shape, ctx.input_meta, needed)):
+        for index in indices:
+            grads[index] = grad
+    return grads, None, None
+
+
+def _meta_of(ctx) -> tuple:  # type: ignore[no-untyped-def]
+    return ctx.input_meta, ctx.out_layout, ctx.grad_source
+
+
+_add_act_op.register_autograd(_add_act_backward, setup_context=_add_act_setup)

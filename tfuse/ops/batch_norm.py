@@ -40,6 +40,7 @@ from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_
 from tfuse._launch import launch, launch_cached, resident_programs, target_programs
 from tfuse.ops._activations import Activation, GradSource, check_activation
 from tfuse.ops._checks import check_float_dtype
+from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend
 
 #: Tile elements per thread the big passes aim for: the warps of a program are its tile over this.
 ELEMENTS_PER_THREAD = 8
@@ -122,6 +123,10 @@ def batch_norm_act(
                 )
             raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}{hint}")
     channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training, float(eps))
+    if compiling():
+        return _batch_norm_act_traced(
+            x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual
+        )
     backend = select_backend(x.device, "batch_norm_act")
     log_backend_once(_log, "batch_norm_act", backend, x.device)
     if backend is Backend.TORCH:
@@ -802,7 +807,7 @@ class _BatchNormActFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         spec = ctx.spec
         x, weight, bias, src, *running = ctx.saved_tensors
-        need_x, need_weight, need_bias, need_res = needs = ctx.needs_input_grad[1:5]
+        needs = ctx.needs_input_grad[1:5]
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
             return (
                 None,
@@ -810,73 +815,81 @@ class _BatchNormActFunction(torch.autograd.Function):
                 None,
                 None,
             )
-        dx = torch.empty_like(x) if need_x else None
-        dres = torch.empty_like(x, dtype=ctx.residual_dtype) if need_res else None
-        dweight = torch.empty_like(weight) if need_weight else None
-        dbias = torch.empty_like(bias) if need_bias else None
-        if x.numel() == 0:
-            return (
-                None,
-                dx,
-                dweight.zero_() if need_weight else None,
-                dbias.zero_() if need_bias else None,
-                dres,
-                None,
-                None,
-            )
-        if dy.stride() != x.stride():
-            dy = _in_layout_of(dy, x)
-        device = x.device
-        bwd_key = (needs, dy.dtype)
-        plan = ctx.plan.backward.get(bwd_key)
-        if plan is None:
-            residual = src if (ctx.has_residual and not spec.from_output) else None
-            table = ctx.stats if spec.use_batch_stats else running[0]
-            plan = ctx.plan.backward[bwd_key] = _backward_plan(
-                spec, ctx.plan.geometry, x, dy, src, residual, table, weight, bias, needs, ctx.residual_dtype
-            )
-        buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=device)
-        placeholder = buf
-        src_arg = src if src is not None else placeholder
-        if spec.use_batch_stats:
-            table = var = ctx.stats
-        else:
-            table, var = running
-        plan.reduce(
+        residual = src if (ctx.has_residual and not spec.from_output) else None
+        stats = ctx.stats if spec.use_batch_stats else None
+        grads = _backward_kernels(
+            spec, ctx.plan, dy, x, weight, bias, src, residual, stats, running, needs, ctx.residual_dtype
+        )
+        return None, *grads, None, None
+
+
+def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, running, needs, residual_dtype) -> tuple:
+    """The Triton backward: (dx, dweight, dbias, dresidual), None where not needed.
+
+    ``plan``: the forward's plan; ``src``: the saved output (activations whose
+    derivative follows from it) or the residual; ``stats``: the forward's
+    statistics table in training, None in eval (``running`` holds the running
+    statistics then).
+    """
+    need_x, need_weight, need_bias, need_res = needs
+    dx = torch.empty_like(x) if need_x else None
+    dres = torch.empty_like(x, dtype=residual_dtype) if need_res else None
+    dweight = torch.empty_like(weight) if need_weight else None
+    dbias = torch.empty_like(bias) if need_bias else None
+    if x.numel() == 0:
+        return dx, dweight.zero_() if need_weight else None, dbias.zero_() if need_bias else None, dres
+    if dy.stride() != x.stride():
+        dy = _in_layout_of(dy, x)
+    device = x.device
+    bwd_key = (needs, dy.dtype)
+    bwd = plan.backward.get(bwd_key)
+    if bwd is None:
+        table = stats if spec.use_batch_stats else running[0]
+        bwd = plan.backward[bwd_key] = _backward_plan(
+            spec, plan.geometry, x, dy, src, residual, table, weight, bias, needs, residual_dtype
+        )
+    buf = torch.empty(bwd.buf_size, dtype=bwd.acc_dtype, device=device)
+    placeholder = buf
+    src_arg = src if src is not None else placeholder
+    if spec.use_batch_stats:
+        table = var = stats
+    else:
+        table, var = running
+    bwd.reduce(
+        (
+            dy,
+            src_arg,
+            x,
+            table,
+            var,
+            weight if weight is not None else table,
+            bias if bias is not None else table,
+            buf,
+            dx if dx is not None else placeholder,
+            dres if dres is not None else placeholder,
+            *bwd.reduce.ints,
+            spec.eps,
+            spec.negative_slope,
+        ),
+        device,
+    )
+    if bwd.final is not None:
+        bwd.final(
             (
-                dy,
-                src_arg,
-                x,
-                table,
-                var,
-                weight if weight is not None else table,
-                bias if bias is not None else table,
                 buf,
-                dx if dx is not None else placeholder,
-                dres if dres is not None else placeholder,
-                *plan.reduce.ints,
-                spec.eps,
-                spec.negative_slope,
+                table,
+                dweight if need_weight else placeholder,
+                dbias if need_bias else placeholder,
+                *bwd.final.ints,
             ),
             device,
         )
-        if plan.final is not None:
-            plan.final(
-                (
-                    buf,
-                    table,
-                    dweight if need_weight else placeholder,
-                    dbias if need_bias else placeholder,
-                    *plan.final.ints,
-                ),
-                device,
-            )
-        if plan.dx is not None:
-            plan.dx(
-                (dy, dres if plan.from_dz else src_arg, x, buf, dx, placeholder, *plan.dx.ints, spec.negative_slope),
-                device,
-            )
-        return None, dx, dweight, dbias, dres, None, None
+    if bwd.dx is not None:
+        bwd.dx(
+            (dy, dres if bwd.from_dz else src_arg, x, buf, dx, placeholder, *bwd.dx.ints, spec.negative_slope),
+            device,
+        )
+    return dx, dweight, dbias, dres
 
 
 def _backward_differentiable(spec, dy, x, weight, bias, src, running, residual_dtype, needs) -> tuple:
@@ -919,3 +932,212 @@ def _backward_differentiable(spec, dy, x, weight, bias, src, running, residual_d
             dxhat = dxhat - dxhat.mean(dims, keepdim=True) - xhat * (dxhat * xhat).mean(dims, keepdim=True)
         dx = (dxhat * invstd).to(x.dtype)
     return dx, dweight, dbias, dres
+
+
+# ---------------------------------------------------------------------------- the torch.library ops
+
+
+def _batch_norm_act_traced(
+    x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual
+) -> torch.Tensor:
+    """What :func:`batch_norm_act` is under ``torch.compile``: the registered op, which returns the
+    updated running statistics (an op with a derivative may not mutate its inputs); they are copied
+    into the buffers here, which Inductor turns into one in-place write."""
+    y, _, new_mean, new_var = torch.ops.tfuse.batch_norm_act(
+        x,
+        weight,
+        bias,
+        residual,
+        running_mean,
+        running_var,
+        bool(training),
+        float(momentum),
+        float(eps),
+        int(act),
+        float(negative_slope),
+    )
+    if training and running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(new_mean)
+            running_var.copy_(new_var)
+    return y
+
+
+@torch.library.triton_op("tfuse::batch_norm_act", mutates_args=())
+def _batch_norm_act_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    act: int,
+    negative_slope: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.tfuse.batch_norm_act``: :func:`batch_norm_act` as a functional op (arguments checked
+    by the caller).
+
+    Returns ``(y, stats, new_running_mean, new_running_var)``: ``stats`` is
+    what backward reads on the Triton path in training (the statistics
+    table; empty otherwise); the running statistics updated with
+    ``momentum`` in training with running statistics (empty otherwise),
+    new tensors, for the caller to copy into its buffers.
+    """
+    activation = Activation(act)
+    backend = op_backend(x.device, "batch_norm_act", x)
+    update = training and running_mean is not None
+    nothing = x.new_empty(0, dtype=torch.float32)
+    new_mean = running_mean.clone(memory_format=torch.contiguous_format) if update else nothing.clone()
+    new_var = running_var.clone(memory_format=torch.contiguous_format) if update else nothing.clone()
+    mean, var = (new_mean, new_var) if update else (running_mean, running_var)
+    if backend is Backend.TORCH:
+        y = _batch_norm_act_torch(
+            x, mean, var, weight, bias, training, momentum, eps, activation, negative_slope, residual
+        )
+        return y, _stats_table_torch(x, weight, bias, eps, residual) if training else nothing, new_mean, new_var
+    weight, bias = _affine(weight, bias)
+    if mean is not None and not (mean.is_contiguous() and var.is_contiguous()):
+        mean, var = mean.contiguous(), var.contiguous()  # read only (eval): dense copies
+    if _layout(x) is None:
+        x = x.contiguous()
+    if residual is not None:
+        residual = _in_layout_of(residual, x)
+    spec = _spec(activation, negative_slope, eps, momentum, training, update, int(x.shape[1]))
+    y, stats, _ = _forward(spec, x, weight, bias, residual, mean, var)
+    if stats is None:
+        return y, nothing, new_mean, new_var
+    return y, stats[: 4 * x.shape[1]], new_mean, new_var  # the table; the partials after it are the forward's own
+
+
+def _stats_table_torch(x, weight, bias, eps: float, residual) -> torch.Tensor:
+    """The statistics table the Triton forward hands its backward, [mean, 1/std, weight/std, bias] per
+    channel (flattened), in torch ops: the PyTorch path's op output has the Triton path's shape."""
+    acc = acc_dtype(_out_dtype(x, residual))
+    dims = [0, *range(2, x.dim())]
+    xa = x.to(acc)
+    var, mean = torch.var_mean(xa, dims, correction=0)
+    invstd = torch.rsqrt(var + eps)
+    scale = invstd if weight is None else weight.to(acc) * invstd
+    shift = torch.zeros_like(mean) if bias is None else bias.to(acc)
+    return torch.stack([mean, invstd, scale, shift]).flatten()
+
+
+def _affine(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple:
+    """Weight and bias as the kernels take them: both or neither, dense (one alone: torch's 1 or 0 for the other)."""
+    if weight is None and bias is not None:
+        weight = torch.ones_like(bias)
+    elif bias is None and weight is not None:
+        bias = torch.zeros_like(weight)
+    if weight is not None and not (weight.is_contiguous() and bias.is_contiguous()):
+        weight, bias = weight.contiguous(), bias.contiguous()
+    return weight, bias
+
+
+@torch.library.triton_op("tfuse::batch_norm_act_backward", mutates_args=())
+def _batch_norm_act_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    src: torch.Tensor | None,
+    stats: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    eps: float,
+    act: int,
+    negative_slope: float,
+    residual_dtype: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.tfuse.batch_norm_act_backward``: ``(dx, dweight, dbias, dresidual)`` of
+    ``torch.ops.tfuse.batch_norm_act``, empty where ``needs`` (x, weight, bias, residual) says no.
+
+    ``src``: the forward's output for activations whose derivative follows from
+    it (relu, leaky_relu >= 0, sigmoid, tanh, identity), else the residual;
+    ``stats``: the forward's second output; ``residual_dtype``: a code of
+    :data:`tfuse.ops._library.DTYPES`, or -1 without a residual.
+    """
+    activation = Activation(act)
+    backend = op_backend(x.device, "batch_norm_act", x)
+    has_residual = residual_dtype >= 0
+    res_dtype = DTYPES[residual_dtype] if has_residual else None
+    filled_weight, filled_bias = _affine(weight, bias)
+    running = (running_mean, running_var) if not training else ()
+    spec = _spec(activation, negative_slope, eps, 0.0, training, False, int(x.shape[1]))
+    needs = tuple(needs)
+    if backend is Backend.TORCH:
+        grads = _backward_differentiable(spec, dy, x, filled_weight, filled_bias, src, running, res_dtype, needs)
+    else:
+        if _layout(x) is None:
+            x = x.contiguous()
+        if src is not None:
+            src = _in_layout_of(src, x)
+        residual = src if has_residual and not spec.from_output else None
+        stand_in = None if not has_residual else (residual if residual is not None else x.new_empty(0, dtype=res_dtype))
+        if running and not (running_mean.is_contiguous() and running_var.is_contiguous()):
+            running = (running_mean.contiguous(), running_var.contiguous())
+        plan = _plan_of(spec, x, filled_weight, filled_bias, stand_in, *(running or (None, None)))
+        grads = _backward_kernels(
+            spec,
+            plan,
+            dy,
+            x,
+            filled_weight,
+            filled_bias,
+            src,
+            residual,
+            stats if training else None,
+            running,
+            needs,
+            res_dtype,
+        )
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)  # type: ignore[return-value]
+
+
+def _batch_norm_act_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, residual, running_mean, running_var, training, _, eps, act, negative_slope = inputs
+    y, stats, new_mean, new_var = output
+    activation = Activation(act)
+    from_output = activation.grad_source(negative_slope) is not GradSource.INPUT
+    ctx.mark_non_differentiable(stats, new_mean, new_var)
+    ctx.args = (training, eps, activation, negative_slope)
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    src = y if from_output else residual
+    running = (running_mean, running_var) if not training else ()
+    ctx.save_for_backward(x, weight, bias, src, stats, *running)
+
+
+def _batch_norm_act_backward(ctx, dy, *_):  # type: ignore[no-untyped-def]
+    x, weight, bias, src, stats, *running = ctx.saved_tensors
+    training, eps, activation, negative_slope = ctx.args
+    needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
+    if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+        spec = _spec(activation, negative_slope, eps, 0.0, training, False, int(x.shape[1]))
+        filled = _affine(weight, bias)
+        grads = _backward_differentiable(spec, dy, x, *filled, src, tuple(running), ctx.residual_dtype, needs)
+    else:
+        grads = torch.ops.tfuse.batch_norm_act_backward(
+            dy,
+            x,
+            weight,
+            bias,
+            src,
+            stats,
+            running[0] if running else None,
+            running[1] if running else None,
+            training,
+            eps,
+            int(activation),
+            negative_slope,
+            -1 if ctx.residual_dtype is None else dtype_code(ctx.residual_dtype),
+            list(needs),
+        )
+    grads = tuple(g if need else None for g, need in zip(grads, needs))
+    return (*grads, None, None, None, None, None, None, None)
+
+
+_batch_norm_act_op.register_autograd(_batch_norm_act_backward, setup_context=_batch_norm_act_setup)
