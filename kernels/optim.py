@@ -14,7 +14,9 @@ dtype; with a master buffer (MASTER), parameters are read from and written
 to float32 masters, and the low-precision parameter is written rounded.
 Gradients are divided by ``*grad_scale`` when GRAD_SCALE is set (AMP
 unscaling inside the update) and stored back unscaled, as torch's fused
-optimizers leave them.
+optimizers leave them; with FOUND_INF a non-zero ``*found_inf`` skips the
+whole update on the device. The coefficient table may be computed on the
+device (capturable optimizers) or on the host: the kernel only reads it.
 """
 
 import triton
@@ -61,9 +63,13 @@ def _load_grad(grad_ptr, offsets, mask, grad_scale_ptr, ACC: tl.constexpr, GRAD_
 
 
 @triton.jit
-def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-           START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr):
+def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, found_inf_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+           START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr, FOUND_INF: tl.constexpr):
     """This program's element offsets, their mask, and a pointer to its coefficient row.
+
+    With FOUND_INF, a non-zero ``*found_inf`` (GradScaler found inf/NaN
+    gradients) masks every element: the step is skipped on the device, nothing
+    is read or written (as torch's fused optimizers do), and no host reads the flag.
 
     The alignment hints let the compiler use 128-bit accesses: block starts are
     parameter offsets (aligned by FlatParams) plus multiples of BLOCK, and the
@@ -73,6 +79,8 @@ def _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ROW: tl.constexpr, BL
     block = tl.program_id(0)
     start = tl.multiple_of(tl.load(starts_ptr + block), START_ALIGN)
     end = tl.multiple_of(tl.load(ends_ptr + block), END_ALIGN)
+    if FOUND_INF:
+        end = tl.where(tl.load(found_inf_ptr) != 0, start, end)  # an empty block: every lane masked
     offsets = start + tl.arange(0, BLOCK)
     return offsets, offsets < end, rows_ptr + tl.load(block_rows_ptr + block) * ROW
 
@@ -96,13 +104,15 @@ def _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER: tl.constex
 @triton.jit
 def _adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, master_ptr,
-    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr, found_inf_ptr,
     ACC_FP64: tl.constexpr, AMSGRAD: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    FOUND_INF: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """Adam / AdamW (torch.optim semantics) over one block of a flat buffer."""
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
-    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, ADAM_ROW, BLOCK, START_ALIGN, END_ALIGN)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, found_inf_ptr, ADAM_ROW, BLOCK,
+                                START_ALIGN, END_ALIGN, FOUND_INF)
     step_size = tl.load(row + ADAM_STEP_SIZE).to(ACC)
     beta1 = tl.load(row + ADAM_BETA1).to(ACC)
     one_minus_beta1 = tl.load(row + ADAM_ONE_MINUS_BETA1).to(ACC)
@@ -147,13 +157,15 @@ def _adam_kernel(
 @triton.jit
 def _sgd_kernel(
     param_ptr, grad_ptr, momentum_buffer_ptr, master_ptr,
-    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr, found_inf_ptr,
     ACC_FP64: tl.constexpr, MOMENTUM: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr,
+    FOUND_INF: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
 ):
     """SGD with optional momentum, dampening and Nesterov (torch.optim.SGD semantics) over one block."""
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
-    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, SGD_ROW, BLOCK, START_ALIGN, END_ALIGN)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, found_inf_ptr, SGD_ROW, BLOCK,
+                                START_ALIGN, END_ALIGN, FOUND_INF)
     lr = tl.load(row + SGD_LR).to(ACC)
     weight_decay = tl.load(row + SGD_WEIGHT_DECAY).to(ACC)
     grad_sign = tl.load(row + SGD_GRAD_SIGN).to(ACC)

@@ -36,7 +36,9 @@ def check_implementation_flags(name: str, torch_name: str, group: dict[str, Any]
     * ``fused``: None or True (tfuse is always fused). False asks for an
       implementation tfuse does not have: ValueError.
     * ``fused=True`` with ``foreach=True``: torch's RuntimeError.
-    * ``differentiable=True``, ``capturable=True``: ValueError (see the messages).
+    * ``differentiable=True``: ValueError (see the message).
+    * ``capturable``: a bool; True keeps the step counts and the step's
+      coefficients on the device (see ``FlatOptimizer.step``).
     """
     foreach = group.get("foreach")
     fused = group.get("fused")
@@ -58,13 +60,9 @@ def check_implementation_flags(name: str, torch_name: str, group: dict[str, Any]
             f"torch.no_grad), so no gradient flows through step(). Use {torch_name}(..., differentiable=True) to "
             "differentiate through optimizer steps."
         )
-    if group.get("capturable"):
-        raise ValueError(
-            f"{name}: capturable=True is not supported yet: tfuse reads the step counts and hyperparameters on the "
-            "host at every step (the 'step' state is a CPU tensor, as with torch's capturable=False), so step() "
-            f"cannot be captured in a CUDA graph. Use capturable=False (the default), or {torch_name}(..., "
-            "capturable=True) to capture the optimizer step."
-        )
+    capturable = group.get("capturable", False)
+    if not isinstance(capturable, bool):
+        raise TypeError(f"{name}: capturable must be a bool, got {capturable!r}")
 
 
 def as_float(value: float | torch.Tensor) -> float:

@@ -70,6 +70,60 @@ class _Plan:
         rank = {group: row for row, group in enumerate(self.groups)}
         self.group_rows = tuple(rank[m.group] for m in members)  # each member's row when all share a step count
         self.tables: collections.OrderedDict[Any, RunTable] = collections.OrderedDict()
+        self.device_setups: dict[Any, _DeviceSetup] = {}
+
+    def device_setup(self, optimizer: FlatOptimizer, fresh: tuple[bool, ...], device: torch.device) -> _DeviceSetup:
+        """What a capturable step of this plan keeps on the device, for these hyperparameters."""
+        groups = optimizer.param_groups
+        # Rows at lr 0: a tensor lr is read on the device, never here (item() would sync).
+        rows = {}
+        for index in self.groups:
+            at_zero = {**groups[index], "lr": 0.0}
+            rows[index] = (optimizer._hyper(at_zero, 1, False), optimizer._hyper(at_zero, 1, True))
+        hypers = tuple(rows[m.group][first] for m, first in zip(self.members, fresh))
+        floats = tuple(None if isinstance(g["lr"], torch.Tensor) else float(g["lr"]) for g in groups)
+        key = (hypers, floats)
+        setup = self.device_setups.get(key)
+        if setup is None:
+            if len(self.device_setups) >= _CACHE_SIZE:
+                self.device_setups.clear()
+            setup = self.device_setups[key] = _DeviceSetup(self, hypers, floats, device)
+        return setup
+
+
+class _DeviceSetup:
+    """A capturable step's device tensors for one plan: member positions, the static coefficient table,
+    the float learning rates of the rows (tensor learning rates are gathered at each step)."""
+
+    def __init__(
+        self, plan: _Plan, hypers: tuple[Any, ...], floats: tuple[float | None, ...], device: torch.device
+    ) -> None:
+        self.hypers = list(hypers)
+        self.positions = torch.as_tensor(plan.positions, device=device)
+        self.ones = torch.ones(len(plan.members), dtype=torch.float32, device=device)
+        self.static = torch.tensor([h.static_coefficients() for h in hypers], dtype=torch.float64, device=device)
+        self.member_groups = [m.group for m in plan.members]
+        self.float_lr = torch.tensor(
+            [floats[g] if floats[g] is not None else 0.0 for g in self.member_groups],
+            dtype=torch.float64,
+            device=device,
+        )
+        self.tensor_groups = sorted({g for g in self.member_groups if floats[g] is None})
+        # For each tensor-lr group: the rows it fills (device index tensors, made once).
+        self.rows_of = {
+            g: torch.tensor([i for i, mg in enumerate(self.member_groups) if mg == g], device=device)
+            for g in self.tensor_groups
+        }
+
+    def lr_rows(self, groups: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+        """Each row's learning rate on the device (float64): tensors are read there, not on the host."""
+        if not self.tensor_groups:
+            return self.float_lr
+        lr = self.float_lr.clone()
+        for g in self.tensor_groups:
+            value = groups[g]["lr"].to(device=device, dtype=torch.float64).reshape(1)
+            lr.index_copy_(0, self.rows_of[g], value.expand(len(self.rows_of[g])))
+        return lr
 
 
 def closure_and_amp(
@@ -92,14 +146,19 @@ class _Buffer:
     """
 
     def __init__(
-        self, flat: FlatParams, group: FlatGroup, master_weights: bool, span: tuple[int, int] | None = None
+        self,
+        flat: FlatParams,
+        group: FlatGroup,
+        master_weights: bool,
+        span: tuple[int, int] | None = None,
+        capturable: bool = False,
     ) -> None:
         self.flat = flat
         self.device, self.dtype = group.device, group.dtype
         self.master_weights = master_weights and group.dtype in LOW_PRECISION
         # span: the element range this optimizer updates (a shard owner's share); None: the whole buffer.
         start, end = (0, None) if span is None else span
-        self.state = FlatState(group, start, end, master_weights=self.master_weights)
+        self.state = FlatState(group, start, end, master_weights=self.master_weights, steps_on_device=capturable)
         # Parameter offsets are multiples of this many elements (capped: 16 is enough for 128-bit accesses).
         self.align = min(MAX_ALIGN, max(1, flat.align_bytes // group.data.element_size()))
         self.layout_version = flat.layout_version
@@ -182,9 +241,13 @@ class FlatOptimizer(torch.optim.Optimizer):
     torch_name: ClassVar[str]  # the torch.optim class this one replaces (named in error messages)
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
-    def __init__(self, params: Any, defaults: dict[str, Any], master_weights: bool = False) -> None:
+    def __init__(
+        self, params: Any, defaults: dict[str, Any], master_weights: bool = False, capturable: bool | None = None
+    ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        # torch's switch in the groups (Adam), or an argument of optimizers whose torch class has none (SGD).
+        self.capturable = bool(defaults.get("capturable", False)) if capturable is None else capturable
         self._check_flags(defaults)
         self.master_weights = master_weights
         self._init_runtime()
@@ -220,6 +283,12 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _check_flags(self, group: dict[str, Any]) -> None:
         """Checks torch.optim's implementation switches in ``group`` (see :func:`check_implementation_flags`)."""
         check_implementation_flags(type(self).__name__, self.torch_name, group)
+        if "capturable" in group and bool(group["capturable"]) != self.capturable:
+            raise ValueError(
+                f"{type(self).__name__}: capturable={group.get('capturable')} in a parameter group of an optimizer "
+                f"built with capturable={self.capturable}: the step counts of one optimizer live in one place "
+                "(on the device when capturable), so every group must agree"
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group as torch does, checks it, and binds its parameters to flat buffers.
@@ -274,7 +343,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if key not in buffers:
                     buffer = existing.get(key)
                     if buffer is None:
-                        buffer = _Buffer(flat, flat.groups[flat.range_of(param).buffer], self.master_weights)
+                        buffer = _Buffer(
+                            flat, flat.groups[flat.range_of(param).buffer], self.master_weights, None, self.capturable
+                        )
                     elif buffer.layout_version != flat.layout_version:
                         self._follow_layout(buffer)
                     buffers[key] = (buffer, [])
@@ -325,6 +396,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             "state": self.state,
             "param_groups": self.param_groups,
             "master_weights": self.master_weights,
+            "capturable": self.capturable,
             "flat_params": list(self._flats),
         }
 
@@ -340,7 +412,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         saved_state = state.pop("state", {})
         flats = state.pop("flat_params", []) + state.pop("owned_flat_params", [])  # (the latter: older pickles)
         state.setdefault("master_weights", False)
+        capturable = state.pop("capturable", None)
         super().__setstate__(state)
+        self.capturable = bool(self.defaults.get("capturable", False)) if capturable is None else capturable
         self._init_runtime()
         self._flats = list(flats)
         for group in self.param_groups:
@@ -380,16 +454,25 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    @torch.compiler.disable  # runs eagerly inside compiled code: one launch per buffer, nothing to trace
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Performs one optimization step: one update launch per flat buffer.
 
         Args:
             closure: reevaluates the model and returns the loss (as in torch.optim).
+
+        With ``capturable=True`` the step reads nothing on the host and copies
+        nothing to the device: step counts and the coefficient table are
+        computed on the device, and a GradScaler's ``found_inf`` is read by the
+        kernel (the step is skipped there). Otherwise the step counts are on
+        the host, the coefficient table is sent from pinned memory (no sync),
+        and under a GradScaler ``found_inf`` is read once (one sync per step).
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure)
-        if found_inf is not None and bool(found_inf.item()):
-            # GradScaler found inf/NaN: skip the step, nothing changes (reads one scalar, as GradScaler does).
+        if found_inf is not None and not self.capturable and bool(found_inf.item()):
+            # GradScaler found inf/NaN: skip the step, nothing changes. The host step counts must not advance,
+            # so this reads one scalar (capturable=True decides on the device instead).
             return loss
         for flat in self._flats:
             flat.sync_grads()
@@ -398,16 +481,19 @@ class FlatOptimizer(torch.optim.Optimizer):
         for buffer in self._buffers:
             if buffer.layout_version != buffer.flat.layout_version:
                 self._follow_layout(buffer)
-            self._step_buffer(buffer, grad_scale)
+            self._step_buffer(buffer, grad_scale, found_inf if self.capturable else None)
         return loss
 
-    def _step_buffer(self, buffer: _Buffer, grad_scale: torch.Tensor | None) -> None:
+    def _step_buffer(self, buffer: _Buffer, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         plan = buffer.plan(tuple([p.grad is not None for p in buffer.params]))
         if not plan.members:
             return
         fresh = [not m.started for m in plan.members]
         if any(fresh):
             self._start(buffer, [m for m, first in zip(plan.members, fresh) if first])
+        if self.capturable:
+            self._step_on_device(buffer, plan, tuple(fresh), grad_scale, found_inf)
+            return
         counts = None
         if self.family.uses_step:
             steps = buffer.state.steps.numpy()  # shares memory with the 'step' entries of optimizer.state
@@ -419,6 +505,66 @@ class FlatOptimizer(torch.optim.Optimizer):
         table = buffer.table(plan, member_rows, self._pads_stay_zero())
         backend = select_backend(buffer.device, type(self).__name__)
         update(self.family, buffer.state.buffers_for_update(), table, rows, grad_scale=grad_scale, backend=backend)
+        self._announce(buffer, backend)
+        if buffer.master_weights:
+            for member in plan.members:
+                member.version = member.param._version
+
+    def _step_on_device(
+        self,
+        buffer: _Buffer,
+        plan: _Plan,
+        fresh: tuple[bool, ...],
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """A capturable step: one row per member, its coefficients computed from device tensors.
+
+        Each member keeps its own step count on the device (as torch's
+        capturable optimizers do); the count advances by ``1 - found_inf`` and
+        the kernel skips the update when ``found_inf`` is set. The static part
+        of the table (betas, eps, flags) is made once per plan and hyperparameter
+        values and kept on the device; lr comes from each group, a tensor read
+        on the device, or a float (kept with the static part, so a new float lr
+        costs one copy and a captured graph keeps the lr it was captured with).
+        """
+        device = buffer.device
+        groups = self.param_groups
+        setup = plan.device_setup(self, fresh, device)
+        steps = None
+        if self.family.uses_step:
+            state_steps = buffer.state.steps
+            increment = setup.ones if found_inf is None else (1 - found_inf.to(torch.float32)).expand_as(setup.ones)
+            state_steps.index_add_(0, setup.positions, increment)
+            steps = state_steps[setup.positions]
+        lr = setup.lr_rows(groups, device)
+        if buffer.master_weights:
+            self._refresh_masters(buffer, plan.members)
+        backend = select_backend(device, type(self).__name__)
+        if backend is Backend.TRITON:
+            coefficients = self.family.device_coefficients(setup.static, lr, steps)
+            rows = setup.hypers
+        else:
+            coefficients = None
+            rows = [
+                dataclasses.replace(
+                    hyper,
+                    lr=groups[m.group]["lr"],
+                    **({"step": buffer.state.steps[m.index]} if self.family.uses_step else {}),
+                )
+                for hyper, m in zip(setup.hypers, plan.members)
+            ]
+        table = buffer.table(plan, tuple(range(len(plan.members))), self._pads_stay_zero())
+        update(
+            self.family,
+            buffer.state.buffers_for_update(),
+            table,
+            rows,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            coefficients=coefficients,
+            backend=backend,
+        )
         self._announce(buffer, backend)
         if buffer.master_weights:
             for member in plan.members:
@@ -490,6 +636,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ zero_grad / state_dict
 
+    @torch.compiler.disable  # a flat buffer's zeroing, run eagerly inside compiled code
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Like torch's, but a flat buffer whose parameters are all ours is zeroed in one op."""
         ours = {id(p) for group in self.param_groups for p in group["params"]}

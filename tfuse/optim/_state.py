@@ -51,14 +51,23 @@ class FlatState:
     """
 
     def __init__(
-        self, group: FlatGroup, start: int = 0, end: int | None = None, *, master_weights: bool = False
+        self,
+        group: FlatGroup,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        master_weights: bool = False,
+        steps_on_device: bool = False,
     ) -> None:
         self.master_weights = master_weights
+        # Step counts on the parameters' device (capturable optimizers: read and advanced by device ops
+        # only), else on the CPU (read by the host to build each step's coefficients).
+        self.steps_device = group.device if steps_on_device else torch.device("cpu")
         self.dtype = torch.float32 if master_weights else group.dtype
         self.buffers: dict[str, torch.Tensor] = {}
         self.master: torch.Tensor | None = None
         self._set_range(group, start, end)
-        self.steps = torch.zeros(len(group.params), dtype=torch.float32)
+        self.steps = torch.zeros(len(group.params), dtype=torch.float32, device=self.steps_device)
 
     def _set_range(self, group: FlatGroup, start: int, end: int | None) -> None:
         size = group.data.numel()
@@ -144,7 +153,8 @@ class FlatState:
         return self._slot(self.master, param)
 
     def step(self, param: torch.Tensor) -> torch.Tensor:
-        """``param``'s step count: a 0-dim float32 CPU tensor that follows the counts."""
+        """``param``'s step count: a 0-dim float32 tensor that follows the counts (on the CPU, or on the
+        parameters' device with ``steps_on_device``, as torch's capturable optimizers keep it)."""
         return self.steps[self.index_of(param)]
 
     def _slot(self, buffer: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -175,7 +185,7 @@ class FlatState:
         self.master = None
         if old_master is not None:
             self.ensure_master()
-        self.steps = torch.zeros(len(group.params), dtype=torch.float32)
+        self.steps = torch.zeros(len(group.params), dtype=torch.float32, device=self.steps_device)
         for index, param in enumerate(group.params):
             old = old_index.get(id(param))
             if old is None:

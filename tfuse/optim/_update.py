@@ -153,6 +153,11 @@ class RunTable:
 
 # ---------------------------------------------------------------------------- hyperparameters, one row each
 
+# Columns of the coefficient rows (kernels/optim.py's ADAM_* and SGD_*; pinned by tests/test_capturable.py).
+_ADAM_STEP_SIZE, _ADAM_BETA1, _ADAM_BETA2, _ADAM_DECAY, _ADAM_BC2_SQRT = 0, 1, 3, 7, 8
+_ADAM_DECOUPLED_WD = 11  # an extra column of the static table on capturable steps: AdamW's wd (0 for Adam)
+_SGD_LR = 0
+
 
 @dataclasses.dataclass(frozen=True)
 class AdamStep:
@@ -162,12 +167,12 @@ class AdamStep:
     step being taken (1 for the first), ``decoupled_weight_decay`` makes it AdamW.
     """
 
-    lr: float
+    lr: float | torch.Tensor  # a tensor on capturable steps (read on the device)
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
-    step: int = 1
+    step: int | torch.Tensor = 1  # a 0-dim tensor on capturable steps
     amsgrad: bool = False
     maximize: bool = False
     decoupled_weight_decay: bool = False
@@ -201,6 +206,12 @@ class AdamStep:
             1.0 if self.amsgrad else 0.0,
         ]
 
+    def static_coefficients(self) -> list[float]:
+        """The row a capturable step starts from (see ``_AdamFamily.device_coefficients``): the columns
+        that depend on neither lr nor the step, and AdamW's weight decay in an extra last column."""
+        row = dataclasses.replace(self, lr=0.0, step=1).coefficients()
+        return [*row, self.weight_decay if self.decoupled_weight_decay else 0.0]
+
 
 @dataclasses.dataclass(frozen=True)
 class SGDStep:
@@ -210,7 +221,7 @@ class SGDStep:
     parameter has no momentum buffer yet) instead of being read.
     """
 
-    lr: float
+    lr: float | torch.Tensor  # a tensor on capturable steps (read on the device)
     momentum: float = 0.0
     dampening: float = 0.0
     weight_decay: float = 0.0
@@ -240,6 +251,10 @@ class SGDStep:
             1.0 if self.first_step else 0.0,
         ]
 
+    def static_coefficients(self) -> list[float]:
+        """The row a capturable step starts from: every column but the learning rate's."""
+        return dataclasses.replace(self, lr=0.0).coefficients()
+
 
 # ---------------------------------------------------------------------------- the families
 
@@ -257,6 +272,7 @@ class UpdateFamily:
         table: RunTable,
         rows: torch.Tensor,
         grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
         meta: dict[str, Any],
     ) -> None:
         """One launch of the family's kernel over ``table`` (``rows``: the coefficient table on the device)."""
@@ -269,8 +285,16 @@ class UpdateFamily:
         grads: list[torch.Tensor],
         states: dict[str, list[torch.Tensor]],
         grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """One call of torch's fused kernel ``hyper.torch_kernel`` over lists of slices (updated in place)."""
+        raise NotImplementedError
+
+    def device_coefficients(self, static: torch.Tensor, lr: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
+        """The coefficient table computed on the device (capturable steps): ``static`` holds each row's
+        :meth:`coefficients` at step 1 and any lr (float64, on the device), ``lr`` each row's learning
+        rate and ``steps`` each row's step count (the step being taken), both on the device.
+        Device ops only: no host reads, no host-to-device copies."""
         raise NotImplementedError
 
     def probe_sequences(self, kernel: str) -> list[list[Any]]:
@@ -286,7 +310,7 @@ class _AdamFamily(UpdateFamily):
     kernel_name = "_adam_kernel"
     uses_step = True
 
-    def launch(self, buffers, table, rows, grad_scale, meta):
+    def launch(self, buffers, table, rows, grad_scale, found_inf, meta):
         state = buffers.state
         exp_avg_sq = state["exp_avg_sq"]
         max_exp_avg_sq = state.get("max_exp_avg_sq")
@@ -306,14 +330,17 @@ class _AdamFamily(UpdateFamily):
                 block_rows,
                 rows,
                 rows if grad_scale is None else grad_scale,
+                rows if found_inf is None else found_inf,
             ),
             dict(AMSGRAD=max_exp_avg_sq is not None, **meta),
             buffers.param.device,
         )
 
-    def torch_call(self, hyper, params, grads, states, grad_scale):
+    def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
         # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
-        step = torch.tensor(float(hyper.step), dtype=torch.float32, device=params[0].device)
+        step = hyper.step
+        if not isinstance(step, torch.Tensor):
+            step = torch.tensor(float(step), dtype=torch.float32, device=params[0].device)
         getattr(torch, hyper.torch_kernel)(
             params,
             grads,
@@ -329,7 +356,19 @@ class _AdamFamily(UpdateFamily):
             amsgrad=hyper.amsgrad,
             maximize=hyper.maximize,
             grad_scale=grad_scale,
+            found_inf=found_inf,
         )
+
+    def device_coefficients(self, static, lr, steps):
+        # The columns that depend on lr and the step count; the others are the host's (see AdamStep).
+        table = static.clone()
+        steps = steps.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(static[:, _ADAM_BETA1], steps)
+        table[:, _ADAM_STEP_SIZE] = lr / bias_correction1
+        table[:, _ADAM_BC2_SQRT] = torch.sqrt(1 - torch.pow(static[:, _ADAM_BETA2], steps))
+        # static's decay column at lr = 0 is 1 for every row; AdamW's is 1 - lr * wd, wd kept in its own column.
+        table[:, _ADAM_DECAY] = 1 - lr * static[:, _ADAM_DECOUPLED_WD]
+        return table[:, :_ADAM_DECOUPLED_WD].contiguous()  # the kernel reads rows of ADAM_ROW columns
 
     def probe_sequences(self, kernel):
         # Every option changes the result by many ulps of float16 and bfloat16 (2 ulps pass the check).
@@ -344,7 +383,7 @@ class _SGDFamily(UpdateFamily):
     kernel_name = "_sgd_kernel"
     uses_step = False
 
-    def launch(self, buffers, table, rows, grad_scale, meta):
+    def launch(self, buffers, table, rows, grad_scale, found_inf, meta):
         momentum_buffer = buffers.state.get("momentum_buffer")
         starts, ends, block_rows = table.blocks(buffers.param.device)
         launch(
@@ -360,12 +399,13 @@ class _SGDFamily(UpdateFamily):
                 block_rows,
                 rows,
                 rows if grad_scale is None else grad_scale,
+                rows if found_inf is None else found_inf,
             ),
             dict(MOMENTUM=momentum_buffer is not None, **meta),
             buffers.param.device,
         )
 
-    def torch_call(self, hyper, params, grads, states, grad_scale):
+    def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
         torch._fused_sgd_(
             params,
             grads,
@@ -378,7 +418,13 @@ class _SGDFamily(UpdateFamily):
             maximize=hyper.maximize,
             is_first_step=hyper.first_step,
             grad_scale=grad_scale,
+            found_inf=found_inf,
         )
+
+    def device_coefficients(self, static, lr, steps):
+        table = static.clone()
+        table[:, _SGD_LR] = lr
+        return table
 
     def probe_sequences(self, kernel):
         # Every option changes the result by many ulps of float16 and bfloat16 (2 ulps pass the check).
@@ -405,6 +451,8 @@ def adam_update(
     rows: Sequence[AdamStep],
     *,
     grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    coefficients: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> None:
     """One Adam/AdamW step over the ranges of ``table``: ``torch.optim.Adam``'s maths, in place.
@@ -416,6 +464,11 @@ def adam_update(
         rows: the hyperparameters of each row (``step`` is the step being taken).
         grad_scale: a GradScaler's scale (a 1-element float tensor on the
             buffers' device): gradients are divided by it, and left unscaled.
+        found_inf: a GradScaler's flag (1-element, on the device): when
+            non-zero nothing is updated. Read on the device, never by the host.
+        coefficients: the Triton kernel's coefficient table, already on the
+            device (capturable steps: see ``UpdateFamily.device_coefficients``);
+            None builds it from ``rows`` on the host. The PyTorch path reads ``rows``.
         backend: the path to take; None picks it by tfuse's rules for the device.
 
     Example:
@@ -427,7 +480,16 @@ def adam_update(
         >>> param  # the first Adam step moves each updated element by lr
         tensor([ 0.0000,  0.0000, -0.1000, -0.1000, -0.1000, -0.1000,  0.0000,  0.0000])
     """
-    update(ADAM, buffers, table, rows, grad_scale=grad_scale, backend=backend)
+    update(
+        ADAM,
+        buffers,
+        table,
+        rows,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        coefficients=coefficients,
+        backend=backend,
+    )
 
 
 def sgd_update(
@@ -436,6 +498,8 @@ def sgd_update(
     rows: Sequence[SGDStep],
     *,
     grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    coefficients: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> None:
     """One SGD step over the ranges of ``table``: ``torch.optim.SGD``'s maths, in place.
@@ -452,7 +516,16 @@ def sgd_update(
         >>> weights  # 1 - (0.5 + 0.9 * 0.5)
         tensor([0.0500, 0.0500, 0.0500, 0.0500])
     """
-    update(SGD, buffers, table, rows, grad_scale=grad_scale, backend=backend)
+    update(
+        SGD,
+        buffers,
+        table,
+        rows,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        coefficients=coefficients,
+        backend=backend,
+    )
 
 
 def update(
@@ -462,6 +535,8 @@ def update(
     rows: Sequence[Any],
     *,
     grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    coefficients: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> None:
     """One step of ``family``'s update (see :func:`adam_update`): the Triton kernel or the PyTorch path."""
@@ -469,20 +544,34 @@ def update(
     if backend is None:
         backend = select_backend(device, f"{family.name}_update")
     if backend is Backend.TRITON:
-        coefficients = torch.tensor([hyper.coefficients() for hyper in rows], dtype=torch.float64)
+        if coefficients is None:
+            coefficients = _host_table(rows, device)
         meta = dict(
             ACC_FP64=acc_fp64(buffers.param.dtype),
             MASTER=buffers.master is not None,
             GRAD_SCALE=grad_scale is not None,
+            FOUND_INF=found_inf is not None,
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
             BLOCK=BLOCK,
             START_ALIGN=table.start_align,
             END_ALIGN=table.end_align,
             num_warps=NUM_WARPS,
         )
-        family.launch(buffers, table, coefficients.to(device, non_blocking=True), grad_scale, meta)
+        family.launch(buffers, table, coefficients, grad_scale, found_inf, meta)
     else:
-        _torch_update(family, buffers, table, rows, grad_scale)
+        _torch_update(family, buffers, table, rows, grad_scale, found_inf)
+
+
+def _host_table(rows: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """The coefficient table built on the host and sent to ``device`` without a host sync.
+
+    A copy from pageable memory makes CUDA wait for the stream first (a host
+    sync per step); from pinned memory it is queued like a kernel.
+    """
+    table = torch.tensor([hyper.coefficients() for hyper in rows], dtype=torch.float64)
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def upcasts(family: UpdateFamily, kernel: str, dtype: torch.dtype, device: torch.device, master: bool) -> bool:
@@ -498,7 +587,12 @@ def upcasts(family: UpdateFamily, kernel: str, dtype: torch.dtype, device: torch
 
 
 def _torch_update(
-    family: UpdateFamily, buffers: FlatBuffers, table: RunTable, rows: Sequence[Any], grad_scale: torch.Tensor | None
+    family: UpdateFamily,
+    buffers: FlatBuffers,
+    table: RunTable,
+    rows: Sequence[Any],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """torch's fused kernels over the runs (one call per row).
 
@@ -512,6 +606,7 @@ def _torch_update(
     """
     param, grad, state, master = buffers.param, buffers.grad, buffers.state, buffers.master
     scale = None if grad_scale is None else grad_scale.to(torch.float32)
+    skip = None if found_inf is None else found_inf.to(torch.float32)
     for row, spans in table.spans_by_row().items():
         hyper = rows[row]
         names = hyper.state_names
@@ -522,6 +617,7 @@ def _torch_update(
                 [grad[s:e] for s, e in spans],
                 {name: [state[name][s:e] for s, e in spans] for name in names},
                 scale,
+                skip,
             )
             continue
         for batch in _batches(spans, UPCAST_BATCH):
@@ -531,7 +627,7 @@ def _torch_update(
                 params = [param[s:e].float() for s, e in batch]
             grads = [grad[s:e].float() for s, e in batch]
             states = {name: [state[name][s:e].float() for s, e in batch] for name in names}
-            family.torch_call(hyper, params, grads, states, scale)
+            family.torch_call(hyper, params, grads, states, scale, skip)
             for index, (s, e) in enumerate(batch):
                 param[s:e].copy_(params[index])
                 if grad_scale is not None:

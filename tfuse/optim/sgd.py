@@ -75,6 +75,7 @@ class FusedSGD(FlatOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         master_weights: bool = False,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -88,7 +89,10 @@ class FusedSGD(FlatOptimizer):
             fused=fused,
         )
         self._check_group(defaults)
-        super().__init__(params, defaults, master_weights)
+        if not isinstance(capturable, bool):
+            raise TypeError(f"{type(self).__name__}: capturable must be a bool, got {capturable!r}")
+        # torch.optim.SGD has no capturable switch (its groups and state dicts have no such key): an attribute here.
+        super().__init__(params, defaults, master_weights, capturable=capturable)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
@@ -135,6 +139,7 @@ class FusedMomentum(FusedSGD):
         differentiable: bool = False,
         fused: bool | None = None,
         master_weights: bool = False,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -148,4 +153,5 @@ class FusedMomentum(FusedSGD):
             differentiable=differentiable,
             fused=fused,
             master_weights=master_weights,
+            capturable=capturable,
         )
