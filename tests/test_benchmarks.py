@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded", "localsgd"]
+ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded", "localsgd", "compile"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -435,3 +435,12 @@ def test_localsgd_benchmark(quick_run):
         assert 0.0 < float(row["final loss"]) < 10.0 and row["held-out accuracy"].endswith("%")
     _time_cells(rows, "comm ms/step", "step ms")
 
+
+
+def test_compile_benchmark(quick_run):
+    _, rows = _table(quick_run, "compile")
+    # --quick: the MLP block only; on a CPU no CUDA-graph row.
+    assert [(row["model"], row["variant"]) for row in rows] == [
+        ("mlp", "eager torch"), ("mlp", "compiled torch"), ("mlp", "eager tfuse"), ("mlp", "compiled tfuse")]
+    assert rows[0]["x faster than eager torch"] == "1.00" and rows[1]["x faster than compiled torch"] == "1.00"
+    _time_cells(rows, "ms / step")
