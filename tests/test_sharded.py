@@ -218,6 +218,8 @@ def test_bad_arguments_are_refused_naming_them():
         ShardedOptimizer(layer.parameters(), FusedAdam, reduce="scatter")
     with pytest.raises(ValueError, match="gather must be one of .*got 'gossip'"):
         ShardedOptimizer(layer.parameters(), FusedAdam, gather="gossip")
+    with pytest.raises(ValueError, match="capturable=True is not supported"):
+        ShardedOptimizer(layer.parameters(), FusedAdam, capturable=True)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             ShardedOptimizer(layer.parameters(), FusedAdam)

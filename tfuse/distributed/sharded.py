@@ -144,6 +144,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"FusedAdam, FusedAdamW), got {optimizer_class!r}"
             )
         check_modes(reduce, gather)
+        if defaults.get("capturable"):
+            raise ValueError(
+                "ShardedOptimizer: capturable=True is not supported: the sharded step agrees on GradScaler's "
+                "found_inf and on which gradients exist across ranks with collectives driven by the host, so it "
+                "cannot be captured in a CUDA graph. Pass capturable=False (the default)."
+            )
         require_process_group("ShardedOptimizer", process_group)
         self.process_group = process_group
         self.reduce_mode, self.gather_mode = resolve_modes(reduce, gather, process_group)
