@@ -614,6 +614,24 @@ def one_parameter(rank: int, world: int) -> dict:
     return {"log": records, "repr": repr(wrapped), "flat": repr(wrapped.flat), "meta_error": meta_error}
 
 
+def compiled(rank: int, world: int) -> dict:
+    """torch.compile around the wrapped module, and around the wrapper: both train like DDP."""
+    out = {}
+    for where in ("inner", "outer"):
+        if where == "inner":
+            wrapped = FusedDataParallel(torch.compile(conv_net(), fullgraph=True))
+            model = wrapped
+        else:
+            wrapped = FusedDataParallel(conv_net())
+            model = torch.compile(wrapped)
+        ddp = DDP(conv_net())
+        fused = FusedMomentum(wrapped.parameters(), lr=0.05)
+        plain = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        _train_pair((model, fused), (ddp, plain), image_batches(world, 3), rank)
+        out[where] = {"fdp": params_of(wrapped), "ddp": params_of(ddp)}
+    return out
+
+
 SUITE = {
     "train_sgd": train,
     "train_fused_adam": lambda rank, world: train(rank, world, optimizer="fused_adam"),
@@ -628,6 +646,7 @@ SUITE = {
     "storage": storage,
     "copies": copies,
     "one_parameter": one_parameter,
+    "compiled": compiled,
 }
 
 
