@@ -12,9 +12,9 @@ A step is zero_grad, forward, loss, backward and the optimizer step. Rows:
 eager torch, ``torch.compile`` of torch's model, eager tfuse, ``torch.compile``
 of tfuse's model (the optimizer step runs eagerly in both compiled rows),
 and on a GPU the whole tfuse step captured in a CUDA graph
-(``FusedAdam(capturable=True)``) and replayed. On a CPU, eager tfuse runs its
-PyTorch path (the Triton interpreter is for checking values, not for
-timing), and compiled tfuse is Inductor's C++ code of that path.
+(``FusedAdam(capturable=True)``) and replayed. Compiled tfuse is Inductor's
+code of tfuse's ops' PyTorch path. On a CPU, eager tfuse runs its PyTorch
+path too (the Triton interpreter is for checking values, not for timing).
 """
 
 from __future__ import annotations
@@ -184,13 +184,14 @@ def run(ctx: Context) -> Report:
         "One training step (zero_grad, forward, loss, backward, Adam step) per call; same weights and input for "
         "every variant of a model.",
         "torch rows: nn layers and torch.optim.Adam(fused=True); tfuse rows: fused layers and tfuse.optim.FusedAdam. "
-        "Compiled rows: torch.compile(model, fullgraph=True); the optimizer step runs eagerly.",
+        "Compiled rows: torch.compile(model, fullgraph=True); the optimizer step runs eagerly. Compiled tfuse is "
+        "Inductor's code of tfuse's ops' PyTorch path (traced ops do not hand Inductor tfuse's Triton kernels yet).",
         "'x faster than eager torch' / 'than compiled torch': the torch row's time over this row's (above 1: faster).",
     ]
     if not on_gpu:
         notes.append(
-            "CPU run: eager tfuse runs its PyTorch path (tfuse.use_backend('torch')); compiled tfuse is Inductor's C++ "
-            "code of that path. GPU rows (Triton kernels, CUDA graph) come from a GPU run."
+            "CPU run: eager tfuse runs its PyTorch path (tfuse.use_backend('torch')), not the Triton interpreter; "
+            "compiled rows are Inductor's C++ code. Eager tfuse's Triton kernels and the CUDA-graph row need a GPU run."
         )
     notes.append(f"tfuse {tfuse.__version__}, torch {torch.__version__}.")
     return Report(
