@@ -49,18 +49,20 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-IDENTITY = tl.constexpr(0)
-RELU = tl.constexpr(1)
-LEAKY_RELU = tl.constexpr(2)
-GELU = tl.constexpr(3)  # erf form
-GELU_TANH = tl.constexpr(4)  # tanh approximation
-SILU = tl.constexpr(5)
-SIGMOID = tl.constexpr(6)
-TANH = tl.constexpr(7)
+from . import codes
 
-PORTABLE = tl.constexpr(0)
-GPU = tl.constexpr(1)
-GPU_TANH_APPROX = tl.constexpr(2)
+IDENTITY = tl.constexpr(codes.IDENTITY)
+RELU = tl.constexpr(codes.RELU)
+LEAKY_RELU = tl.constexpr(codes.LEAKY_RELU)
+GELU = tl.constexpr(codes.GELU)  # erf form
+GELU_TANH = tl.constexpr(codes.GELU_TANH)  # tanh approximation
+SILU = tl.constexpr(codes.SILU)
+SIGMOID = tl.constexpr(codes.SIGMOID)
+TANH = tl.constexpr(codes.TANH)
+
+PORTABLE = tl.constexpr(codes.PORTABLE)
+GPU = tl.constexpr(codes.GPU)
+GPU_TANH_APPROX = tl.constexpr(codes.GPU_TANH_APPROX)
 
 _SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)

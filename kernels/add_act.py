@@ -44,6 +44,7 @@ activation formulas (activations.py).
 import triton
 import triton.language as tl
 
+from . import codes
 from .activations import _act_backward_from_output, _activation, _activation_backward
 from .cast import _cast_to
 from .kit import _acc_dtype
@@ -63,7 +64,7 @@ from .tiles import (
     _tile_is_full,
 )
 
-CHAN = tl.constexpr(5)  # gradient mode only: see the module docstring
+CHAN = tl.constexpr(codes.CHAN)  # gradient mode only: see the module docstring
 
 
 @triton.jit

@@ -44,14 +44,15 @@ In eval the first pass writes dx and d(residual) itself.
 import triton
 import triton.language as tl
 
+from . import codes
 from .activations import _act, _act_backward, _act_backward_from_output
 from .cast import _cast_to
 from .kit import _acc_dtype
 
 # How a reduction program turns its per-lane sums into per-channel sums.
-SEG_LANE = tl.constexpr(0)  # column == channel (channels_last)
-SEG_ONE = tl.constexpr(1)  # the program's columns are all one channel (NCHW, long rows)
-SEG_PACKED = tl.constexpr(2)  # CB whole channels of SS columns each (NCHW, short rows)
+SEG_LANE = tl.constexpr(codes.SEG_LANE)  # column == channel (channels_last)
+SEG_ONE = tl.constexpr(codes.SEG_ONE)  # the program's columns are all one channel (NCHW, long rows)
+SEG_PACKED = tl.constexpr(codes.SEG_PACKED)  # CB whole channels of SS columns each (NCHW, short rows)
 
 
 @triton.jit

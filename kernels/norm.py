@@ -21,14 +21,15 @@ precision (the norm order p, max_norm) come as a float32 pair hi + lo.
 import triton
 import triton.language as tl
 
+from . import codes
 from .cast import _cast_to
 from .kit import _acc_dtype
 
 # NORM kinds (constexpr): general p, 2 (sum of squares), 1 (sum of |x|), inf (max |x|).
-NORM_P = tl.constexpr(0)
-NORM_2 = tl.constexpr(1)
-NORM_1 = tl.constexpr(2)
-NORM_INF = tl.constexpr(3)
+NORM_P = tl.constexpr(codes.NORM_P)
+NORM_2 = tl.constexpr(codes.NORM_2)
+NORM_1 = tl.constexpr(codes.NORM_1)
+NORM_INF = tl.constexpr(codes.NORM_INF)
 
 
 @triton.jit

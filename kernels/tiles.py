@@ -23,15 +23,16 @@ edge tiles are masked.
 import triton
 import triton.language as tl
 
+from . import codes
 from .kit import _acc_dtype
 
 # Addressing modes. (Kernels may read globals only if they are tl.constexpr;
 # launchers use .value.)
-LINEAR = tl.constexpr(0)  # same strides as the output: operand offset == output offset
-SCALAR = tl.constexpr(1)  # a single element broadcast everywhere
-ROW = tl.constexpr(2)  # constant along a row (column strides 0): one load per row
-COL = tl.constexpr(3)  # the same for every row (outer strides 0): one load per column
-STRIDED = tl.constexpr(4)  # anything else: row offset from the outer coordinates + column offset
+LINEAR = tl.constexpr(codes.LINEAR)  # same strides as the output: operand offset == output offset
+SCALAR = tl.constexpr(codes.SCALAR)  # a single element broadcast everywhere
+ROW = tl.constexpr(codes.ROW)  # constant along a row (column strides 0): one load per row
+COL = tl.constexpr(codes.COL)  # the same for every row (outer strides 0): one load per column
+STRIDED = tl.constexpr(codes.STRIDED)  # anything else: row offset from the outer coordinates + column offset
 
 
 @triton.jit

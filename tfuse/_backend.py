@@ -7,7 +7,8 @@ Rules, checked on every call (so a test or a script may change them at will):
   kernels, ``torch`` forces the PyTorch path, ``auto`` or unset chooses.
 * ``auto``: the Triton kernels for CUDA tensors, and for CPU tensors when
   Triton's interpreter is on (``TRITON_INTERPRET=1`` set before triton was
-  imported); the PyTorch path for every other case.
+  imported); the PyTorch path for every other case, and everywhere when
+  Triton is not installed (macOS, Windows, images without it).
 
 A request that cannot be served is an error, never a silent switch.
 """
@@ -77,6 +78,16 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 @functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported here (it is a dependency on Linux only; tfuse runs without it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
 def interpreter_active() -> bool:
     """True when tfuse's kernels were built for Triton's interpreter.
 
@@ -85,6 +96,8 @@ def interpreter_active() -> bool:
     kernel objects themselves are the source of truth, not the environment;
     the answer cannot change afterwards and is cached.
     """
+    if not triton_available():
+        return False
     from triton.runtime.interpreter import InterpretedFunction
 
     from tfuse import kernels
@@ -100,6 +113,13 @@ def select_backend(device: torch.device, op: str) -> Backend:
     """
     forced = requested_backend()
     if forced is Backend.TORCH:
+        return Backend.TORCH
+    if not triton_available():
+        if forced is Backend.TRITON:
+            raise RuntimeError(
+                f"tfuse.{op}: the Triton backend was requested, but Triton is not installed here. Install it "
+                "(pip install triton, on Linux), or let the PyTorch path serve the op: TFUSE_BACKEND=auto or torch."
+            )
         return Backend.TORCH
     if device.type == "cuda":
         return Backend.TRITON
@@ -144,6 +164,8 @@ def _why(backend: Backend, device: torch.device) -> str:
     if forced is not None:
         source = "use_backend" if _override.get() is not None else BACKEND_ENV_VAR
         reason = f"forced by {source}={forced.value!r}"
+    elif backend is Backend.TORCH and not triton_available():
+        reason = "Triton is not installed"
     elif backend is Backend.TRITON and device.type == "cuda":
         reason = "CUDA"
     elif backend is Backend.TRITON:

@@ -6,7 +6,8 @@ Each member carries what every layer needs of an activation:
   string users pass as ``act=`` (:meth:`Activation.from_name`);
 * its kernel code, the ``ACT`` constexpr of kernels/activations.py (the
   member's int value, ``Activation.RELU.code``; kernels cannot import tfuse,
-  so the codes are spelled there and read here, and tests pin the two);
+  so the codes are spelled in kernels/codes.py, plain Python read here, and
+  tests pin the two);
 * its PyTorch path: :meth:`~Activation.forward` (out of place),
   :meth:`~Activation.forward_` (in place where torch has an in-place form)
   and :meth:`~Activation.backward` (torch's fused backward kernels);
@@ -28,9 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tfuse import kernels
-
-_codes = kernels.activations
+from tfuse.kernels import codes as _codes
 
 
 class GradSource(enum.Enum):
@@ -47,14 +46,14 @@ class Activation(enum.IntEnum):
     Members are declared in the order error messages list them.
     """
 
-    RELU = _codes.RELU.value
-    LEAKY_RELU = _codes.LEAKY_RELU.value
-    GELU = _codes.GELU.value  # erf form
-    GELU_TANH = _codes.GELU_TANH.value  # tanh approximation
-    SILU = _codes.SILU.value
-    SIGMOID = _codes.SIGMOID.value
-    TANH = _codes.TANH.value
-    IDENTITY = _codes.IDENTITY.value
+    RELU = _codes.RELU
+    LEAKY_RELU = _codes.LEAKY_RELU
+    GELU = _codes.GELU  # erf form
+    GELU_TANH = _codes.GELU_TANH  # tanh approximation
+    SILU = _codes.SILU
+    SIGMOID = _codes.SIGMOID
+    TANH = _codes.TANH
+    IDENTITY = _codes.IDENTITY
 
     @classmethod
     def from_name(cls, name: str) -> Activation:
@@ -194,9 +193,7 @@ _BY_LABEL: dict[str, Activation] = {member.label: member for member in Activatio
 
 
 #: Math modes of kernels/activations.py as plain ints.
-MATH_PORTABLE, MATH_GPU, MATH_GPU_TANH_APPROX = (
-    mode.value for mode in (_codes.PORTABLE, _codes.GPU, _codes.GPU_TANH_APPROX)
-)
+MATH_PORTABLE, MATH_GPU, MATH_GPU_TANH_APPROX = _codes.PORTABLE, _codes.GPU, _codes.GPU_TANH_APPROX
 #: Output dtypes whose rounding hides tanh.approx.f32's error (about 2**-11 relative):
 #: a quarter of a bfloat16 ulp. (A float16 ulp is 2**-10: the error would show.)
 _TANH_APPROX_DTYPES = (torch.bfloat16,)

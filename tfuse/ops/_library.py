@@ -25,9 +25,11 @@ the same kernels either way, without the dispatcher's host overhead
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
-from tfuse._backend import Backend, select_backend
+from tfuse._backend import Backend, select_backend, triton_available
 
 #: dtypes by the small integer codes op schemas carry them as (schemas have no list of dtypes).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -60,3 +62,18 @@ def op_backend(device: torch.device, op: str, probe: torch.Tensor) -> Backend:
 def compiling() -> bool:
     """True while ``torch.compile`` (Dynamo) traces the caller: public functions then call the ops."""
     return torch.compiler.is_compiling()
+
+
+def tfuse_op(name: str, mutates_args: Iterable[str] = ()) -> Callable[[Callable], torch.library.CustomOpDef]:
+    """Registers a function as the op ``name`` (``tfuse::...``): ``torch.library.triton_op`` where Triton
+    is installed; without Triton, ``torch.library.custom_op`` with the function as its fake implementation
+    too (the body then only ever takes the PyTorch path, and triton_op would warn that Triton is missing)."""
+
+    def register(fn: Callable) -> torch.library.CustomOpDef:
+        if triton_available():
+            return torch.library.triton_op(name, mutates_args=mutates_args)(fn)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        op.register_fake(fn)
+        return op
+
+    return register

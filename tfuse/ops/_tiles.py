@@ -26,16 +26,13 @@ from collections.abc import Sequence
 
 import torch
 
-from tfuse import kernels
-
 # INT32_LIMIT is read from this module at each plan (and is part of the plan
 # cache's key), so a test can lower it here to take the int64 path on small data.
 from tfuse._kit import INT32_LIMIT, NUM_WARPS, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2
+from tfuse.kernels import codes
 
-# Addressing modes of kernels/add.py as plain ints.
-LINEAR, SCALAR, ROW, COL, STRIDED = (
-    mode.value for mode in (kernels.LINEAR, kernels.SCALAR, kernels.ROW, kernels.COL, kernels.STRIDED)
-)
+# Addressing modes of kernels/tiles.py as plain ints.
+LINEAR, SCALAR, ROW, COL, STRIDED = codes.LINEAR, codes.SCALAR, codes.ROW, codes.COL, codes.STRIDED
 
 #: Elements per program. 2048 elements at NUM_WARPS (4) warps keeps 16 elements
 #: per thread in flight per input (four 128-bit loads in float32).

@@ -17,7 +17,7 @@ from tfuse._backend import Backend, log_backend_once, select_backend
 from tfuse._kit import acc_dtype
 from tfuse._launch import launch
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, promote_float_dtypes
-from tfuse.ops._library import compiling, op_backend
+from tfuse.ops._library import compiling, op_backend, tfuse_op
 from tfuse.ops._tiles import empty_broadcast_output, plan_tiles, tile_meta
 
 #: Most inputs one launch adds (each input is a pointer and a stride tuple of
@@ -143,7 +143,7 @@ class _AddFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------- the torch.library op
 
 
-@torch.library.triton_op("tfuse::add", mutates_args=())
+@tfuse_op("tfuse::add")
 def _add_op(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.ops.tfuse.add``: :func:`add` as a registered op (arguments checked by the caller)."""
     device = tensors[0].device

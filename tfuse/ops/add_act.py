@@ -24,9 +24,10 @@ from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
 from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
 from tfuse._launch import gpu_sm_count, launch, target_programs
+from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
 from tfuse.ops._checks import broadcast_shape, check_tensor_args, is_cpu_scalar, is_dense, promote_float_dtypes
-from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend
+from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend, tfuse_op
 from tfuse.ops._tiles import (
     COL,
     COL_ALIGN,
@@ -55,7 +56,7 @@ _SUM_BLOCK_PARTIALS = 16
 _SUM_BLOCK_ELEMENTS = 128
 _SUM_MIN_ELEMENTS = 32
 #: Gradient mode of kernels/add_act.py for a per-channel bias (see its docstring).
-CHAN = kernels.add_act.CHAN.value
+CHAN = codes.CHAN
 #: Backward programs per SM on a GPU, by num_warps. Each program loops over its
 #: rows with one tile of loads in flight: 4 programs of 4 warps per SM (the
 #: reduction target of tfuse._launch) measured 76-84% of copy bandwidth on an
@@ -599,7 +600,7 @@ def _add_act_traced(tensors: Sequence[torch.Tensor], act: Activation, negative_s
     return tensors[0].copy_(y) if inplace else y
 
 
-@torch.library.triton_op("tfuse::add_act", mutates_args=())
+@tfuse_op("tfuse::add_act")
 def _add_act_op(tensors: list[torch.Tensor], act: int, negative_slope: float) -> torch.Tensor:
     """``torch.ops.tfuse.add_act``: ``act(sum(tensors))`` (:func:`add_act`; arguments checked by the caller)."""
     backend = op_backend(tensors[0].device, "add_act", tensors[0])
@@ -637,7 +638,7 @@ def grad_slots(
     return slots
 
 
-@torch.library.triton_op("tfuse::add_act_backward", mutates_args=())
+@tfuse_op("tfuse::add_act_backward")
 def _add_act_backward_op(
     grad_out: torch.Tensor,
     saved: list[torch.Tensor],

@@ -38,9 +38,10 @@ from tfuse import _launch, kernels
 from tfuse._backend import Backend, log_backend_once, select_backend
 from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
 from tfuse._launch import launch, launch_cached, resident_programs, target_programs
+from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation
 from tfuse.ops._checks import check_float_dtype
-from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend
+from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend, tfuse_op
 
 #: Tile elements per thread the big passes aim for: the warps of a program are its tile over this.
 ELEMENTS_PER_THREAD = 8
@@ -282,9 +283,7 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
 # Layouts the kernels read in place (see kernels/batch_norm.py).
 _NCS = 0  # [N, C, S] contiguous: a row is one sample of C * S values
 _NSC = 1  # channels innermost (channels_last, [N, C]): a row is one position of C values
-_SEG_LANE, _SEG_ONE, _SEG_PACKED = (
-    s.value for s in (kernels.batch_norm.SEG_LANE, kernels.batch_norm.SEG_ONE, kernels.batch_norm.SEG_PACKED)
-)
+_SEG_LANE, _SEG_ONE, _SEG_PACKED = (codes.SEG_LANE, codes.SEG_ONE, codes.SEG_PACKED)
 
 
 def _layout(t: torch.Tensor) -> int | None:
@@ -963,7 +962,7 @@ def _batch_norm_act_traced(
     return y
 
 
-@torch.library.triton_op("tfuse::batch_norm_act", mutates_args=())
+@tfuse_op("tfuse::batch_norm_act")
 def _batch_norm_act_op(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -1036,7 +1035,7 @@ def _affine(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple:
     return weight, bias
 
 
-@torch.library.triton_op("tfuse::batch_norm_act_backward", mutates_args=())
+@tfuse_op("tfuse::batch_norm_act_backward")
 def _batch_norm_act_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tfuse._backend import Backend, requested_backend, select_backend
+from tfuse._backend import Backend, requested_backend, select_backend, triton_available
 from tfuse.flat import FlatGroup, FlatParams, flat_params_of
 from tfuse.optim._checks import IMPLEMENTATION_FLAGS, check_implementation_flags, check_params
 from tfuse.optim._state import FlatState
@@ -853,6 +853,8 @@ def _why(backend: Backend, device: torch.device) -> str:
         return f"forced: backend {forced.value!r} requested (tfuse.use_backend or TFUSE_BACKEND)"
     if backend is Backend.TRITON:
         return "CUDA tensors" if device.type == "cuda" else f"{device.type} tensors through Triton's interpreter"
+    if not triton_available():
+        return "Triton is not installed"
     if device.type == "cpu":
         return "CPU tensors without TRITON_INTERPRET=1"
     return f"no Triton kernels for device type {device.type}"

@@ -49,6 +49,7 @@ from tfuse._backend import Backend, select_backend
 from tfuse._kit import acc_dtype, emulate_bf16_rtne, num_warps
 from tfuse._launch import launch
 from tfuse.flat import FlatParams, flat_params_of
+from tfuse.kernels import codes
 
 BLOCK = 4096  # elements per program of the partial-norm and scaling kernels
 NUM_WARPS = num_warps(BLOCK, 16)  # 16 elements (four 128-bit vectors of float32) per thread: 8 warps
@@ -57,7 +58,7 @@ FINAL_NUM_WARPS = num_warps(FINAL_BLOCK, 16)
 _GRAD = operator.attrgetter("grad")
 _PLAN_CACHE_SIZE = 8
 _TABLE_CACHE_SIZE = 8
-_NORM_KINDS = {2.0: kernels.norm.NORM_2.value, 1.0: kernels.norm.NORM_1.value, math.inf: kernels.norm.NORM_INF.value}
+_NORM_KINDS = {2.0: codes.NORM_2, 1.0: codes.NORM_1, math.inf: codes.NORM_INF}
 
 
 def clip_grad_norm_(
@@ -422,7 +423,7 @@ def _flat_norm(
 ) -> torch.Tensor:
     """Norm of the flat segments on ``device``: one partial kernel per segment, one final kernel."""
     acc = acc_dtype(*(segment.dtype for segment, _ in work))
-    kind = _NORM_KINDS.get(p, kernels.norm.NORM_P.value)
+    kind = _NORM_KINDS.get(p, codes.NORM_P)
     p_hi, p_lo = _split_float(p if math.isfinite(p) else 1.0)
     n_partials = sum(table.n_blocks for _, table in work)
     partials = torch.empty(max(n_partials, 1), dtype=acc, device=device)
