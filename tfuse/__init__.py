@@ -15,12 +15,15 @@ from tfuse import distributed, flat, functional, kernels, nn, optim  # noqa: E40
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
 from tfuse.functional import add, add_act  # noqa: E402
+from tfuse.fusion import FusionReport, FusionStrategy, fuse_model  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_ENV_VAR",
     "Backend",
+    "FusionReport",
+    "FusionStrategy",
     "LaunchCount",
     "add",
     "add_act",
@@ -28,6 +31,7 @@ __all__ = [
     "distributed",
     "flat",
     "functional",
+    "fuse_model",
     "interpreter_active",
     "kernels",
     "nn",

@@ -1,0 +1,311 @@
+"""tfuse.fuse_model: patterns found in what the forward computes, the report, and nothing broken.
+
+Models written here in the styles of ResNet (basic and bottleneck blocks, a
+reused ReLU module, a downsample computed after the second norm), MobileNetV2
+(ReLU6, which tfuse cannot fuse yet) and a transformer MLP block. Each fused
+model is compared with the original in float64: outputs and gradients, in
+train and eval mode, and state dicts loaded both ways.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import tfuse
+from tfuse import FusionStrategy, fuse_model
+from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels: int, downsample: bool = False) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)  # one module, called twice (as torchvision's)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels)) if downsample else None
+        )
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)  # computed after bn2: the fused layer must wait for it
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        inner = channels // 2
+        self.conv1 = nn.Conv2d(channels, inner, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(inner)
+        self.conv2 = nn.Conv2d(inner, inner, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(inner)
+        self.conv3 = nn.Conv2d(inner, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return F.relu(x + self.bn3(self.conv3(out)))  # the residual on the left
+
+
+class ResNetish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.layer1 = nn.Sequential(BasicBlock(8), BasicBlock(8, downsample=True), Bottleneck(8))
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc(self.layer1(self.stem(x)).mean((2, 3)))
+
+
+class MobileNetish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True),
+            nn.Conv2d(8, 12, 1, bias=False), nn.BatchNorm2d(12),
+            nn.Conv2d(12, 12, 1, bias=False), nn.BatchNorm2d(12), nn.Hardswish(),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(12, 4))
+
+    def forward(self, x):
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+class MLPBlock(nn.Module):
+    """A transformer MLP block: LayerNorm, Linear + GELU (tanh form), Linear, residual; a BN1d + SiLU head."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU(approximate="tanh")
+        self.down = nn.Linear(4 * width, width)
+        self.head_norm = nn.BatchNorm1d(width)
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        x = x + self.down(self.act(self.up(self.norm(x))))
+        h = F.silu(self.head_norm(x))
+        # A bias add and an activation: tfuse.add_act, given shapes. Slope 0.25 is exact in float32, the type the
+        # kernels take scalars in (README, "Numerics"): this test checks the rewrite, not that rounding.
+        return F.leaky_relu(h + self.bias, 0.25)
+
+
+def double(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            nn.init.uniform_(module.weight, 0.5, 1.5)
+            nn.init.normal_(module.bias)
+    return model.double()
+
+
+CASES = {
+    "resnet": (ResNetish, (4, 3, 6, 6)),
+    "mobilenet": (MobileNetish, (4, 3, 6, 6)),
+    "mlp": (MLPBlock, (6, 16)),
+}
+
+
+def assert_same_computation(original: nn.Module, fused: nn.Module, shape, train: bool) -> None:
+    """Outputs, gradients of parameters and input, and buffers after the call: equal within float64 rounding."""
+    reference, candidate = copy.deepcopy(original), copy.deepcopy(fused)
+    reference.train(train)
+    candidate.train(train)
+    x = torch.randn(shape, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outputs = [reference(xs[0]), candidate(xs[1])]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
+    dy = torch.randn_like(outputs[0])
+    for out in outputs:
+        out.backward(dy)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-9, atol=1e-11)
+    theirs = dict(reference.named_parameters())
+    for name, param in candidate.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+    theirs = dict(reference.named_buffers())
+    for name, buffer in candidate.named_buffers():
+        torch.testing.assert_close(buffer, theirs[name], rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("with_shapes", [False, True], ids=["no-shapes", "example-inputs"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_models_compute_what_the_originals_do(case, with_shapes):
+    make, shape = CASES[case]
+    model = double(make())
+    example = torch.randn(shape, dtype=torch.float64) if with_shapes else None
+    fused, report = fuse_model(model, example_inputs=example)
+    assert report.method == "fx"
+    assert bool(report.fused) == (case != "mobilenet")  # its ReLU6 and Hardswish have no fused kernel yet
+    for train in (True, False):
+        assert_same_computation(model, fused, shape, train)
+    # Checkpoints load both ways, strictly (same keys, same shapes).
+    fused.load_state_dict(copy.deepcopy(model.state_dict()))
+    model.load_state_dict(copy.deepcopy(fused.state_dict()))
+    # The original is untouched: its layers are torch's; the fused model shares its parameters.
+    assert not any(type(m).__module__.startswith("tfuse") for m in model.modules())
+    assert {id(p) for p in fused.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_resnet_report_names_every_fusion():
+    model = ResNetish()
+    fused, report = fuse_model(model, example_inputs=torch.randn(2, 3, 6, 6))
+    # stem, 2 x bn1 of the basic blocks, 2 x (bn2 + residual), bottleneck bn1, bn2, bn3 + residual (left operand)
+    assert report.counts() == {"BatchNorm2d+ReLU": 8}
+    assert sum(f.residual for f in report.fused) == 3
+    assert str(report) == "fused 8 BatchNorm2d+ReLU (3 with residual) (torch.fx)"
+    assert not report.skipped
+    for name in ("stem.1", "layer1.0.bn1", "layer1.0.bn2", "layer1.1.bn2", "layer1.2.bn3"):
+        assert isinstance(fused.get_submodule(name), FusedBatchNormAct2d), name
+    assert type(fused.get_submodule("layer1.1.downsample.1")) is nn.BatchNorm2d  # followed by the add, not an act
+    assert fused.get_submodule("layer1.1.bn2").act == "relu"
+
+
+def test_without_shapes_the_residual_patterns_are_reported_not_guessed():
+    _, report = fuse_model(ResNetish())
+    assert report.counts() == {"BatchNorm2d+ReLU": 5}
+    reasons = {s.where: s.reason for s in report.skipped}
+    assert set(reasons) == {"layer1.0.bn2", "layer1.1.bn2", "layer1.2.bn3"}
+    assert all("needs example_inputs" in r for r in reasons.values())
+
+
+def test_mobilenet_relu6_is_skipped_with_its_reason():
+    fused, report = fuse_model(MobileNetish())
+    assert report.fused == []
+    skipped = {s.where: s.reason for s in report.skipped}
+    assert skipped == {
+        "features.1": "is followed by ReLU6, which has no fused kernel in tfuse yet",
+        "features.4": "is followed by ReLU6, which has no fused kernel in tfuse yet",
+        "features.9": "is followed by Hardswish, which has no fused kernel in tfuse yet",
+    }
+    assert "skipped 3: features.1 is followed by ReLU6" in str(report)
+
+
+def test_mlp_block_fuses_linear_gelu_batch_norm_silu_and_the_bias_add():
+    model = MLPBlock()
+    fused, report = fuse_model(model, example_inputs=torch.randn(6, 16))
+    assert report.counts() == {"Linear+GELU(tanh)": 1, "BatchNorm1d+SiLU": 1, "add+LeakyReLU": 1}
+    assert isinstance(fused.up, FusedLinear) and fused.up.act == "gelu_tanh"
+    assert isinstance(fused.head_norm, FusedBatchNormAct1d) and fused.head_norm.act == "silu"
+    calls = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    assert tfuse.functional.add_act in calls
+
+
+class Reused(nn.Module):
+    """One BatchNorm called twice, and a Linear whose output feeds a branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        a = F.relu(self.bn(x))
+        b = F.relu(self.bn(x * 2))
+        h = self.lin(a + b)
+        return torch.tanh(h) + h
+
+
+def test_reused_modules_and_branches_are_left_alone_and_reported():
+    model = double(Reused())
+    fused, report = fuse_model(model)
+    assert report.fused == []
+    reasons = {s.where: s.reason for s in report.skipped}
+    assert reasons["bn"] == "is used 2 times (one module called at several places)"
+    assert reasons["lin"].startswith("has its output used besides the activation")
+    assert "skipped 3: bn is used 2 times" in str(report)  # once per activation that follows it, then the branch
+    assert_same_computation(model, fused, (5, 4), train=True)
+
+
+class Untraceable(nn.Module):
+    """A forward with data-dependent control flow (torch.fx cannot trace it) around Sequential blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.GELU())
+        self.other = nn.Sequential(nn.BatchNorm1d(8), nn.ReLU6())
+
+    def forward(self, x):
+        h = self.block(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.other(h)
+
+
+def test_an_untraceable_forward_falls_back_to_sequential_neighbours():
+    model = double(Untraceable())
+    fused, report = fuse_model(model)
+    assert report.method == "structural"
+    assert "torch.fx could not trace the forward" in report.note
+    assert report.counts() == {"BatchNorm1d+ReLU": 1, "Linear+GELU": 1}
+    assert [s.where for s in report.skipped] == ["other.0"]
+    assert type(fused) is Untraceable and isinstance(fused.block[1], FusedBatchNormAct1d)
+    assert isinstance(fused.block[2], nn.Identity) and isinstance(fused.block[3], FusedLinear)
+    assert isinstance(model.block[1], nn.BatchNorm1d) and isinstance(model.block[2], nn.ReLU)  # original untouched
+    for train in (True, False):
+        assert_same_computation(model, fused, (6, 4), train)
+    fused.load_state_dict(model.state_dict())
+    model.load_state_dict(fused.state_dict())
+    assert "(nn.Sequential neighbours; the forward did not trace)" in str(report)
+
+
+def test_strategy_switches_reach_the_rewrite():
+    model = MLPBlock()
+    example = torch.randn(6, 16)
+    _, report = fuse_model(model, FusionStrategy(fuse_linear_act=False), example)
+    assert "Linear+GELU(tanh)" not in report.counts()
+    _, report = fuse_model(model, FusionStrategy(fuse_bn_act=False, fuse_add_act=False), example)
+    assert report.counts() == {"Linear+GELU(tanh)": 1}
+    _, report = fuse_model(ResNetish(), FusionStrategy(fuse_bn_add_act=False), torch.randn(2, 3, 6, 6))
+    assert report.counts() == {"BatchNorm2d+ReLU": 5} and sum(f.residual for f in report.fused) == 0
+
+
+def test_training_the_fused_model_with_a_fused_optimizer_follows_torch():
+    torch.manual_seed(0)
+    model = double(ResNetish())
+    reference = copy.deepcopy(model)
+    fused, _ = fuse_model(model, example_inputs=torch.randn(2, 3, 6, 6, dtype=torch.float64))
+    optimizer = tfuse.optim.FusedAdam(fused.parameters(), lr=1e-2)
+    torch_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+        for net, opt in ((fused, optimizer), (reference, torch_optimizer)):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):  # shared with fused
+        torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_fused_model_copies_and_pickles():
+    fused, _ = fuse_model(ResNetish(), example_inputs=torch.randn(2, 3, 6, 6))
+    copied = copy.deepcopy(fused)
+    x = torch.randn(2, 3, 6, 6)
+    fused.eval()
+    copied.eval()
+    torch.testing.assert_close(copied(x), fused(x))
+    assert isinstance(copied, fx.GraphModule)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        fuse_model("resnet")
+    with pytest.raises(TypeError, match="strategy must be a tfuse.FusionStrategy, got dict"):
+        fuse_model(nn.Linear(2, 2), {"fuse_bn_act": True})
+    with pytest.raises(TypeError, match="FusionStrategy.fuse_bn_act must be a bool, got 1"):
+        FusionStrategy(fuse_bn_act=1)

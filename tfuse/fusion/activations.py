@@ -1,0 +1,120 @@
+"""Recognising an activation in a traced graph or a container: which one, with what parameters.
+
+A node (``call_module`` of ``nn.ReLU``, ``call_function`` of ``F.gelu``,
+``call_method`` ``relu``...) is turned into an :class:`ActivationCall` when
+tfuse has a fused kernel for it, into an :class:`Unsupported` naming it when
+it is an activation tfuse cannot fuse yet, and into None otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+#: The activation's name in reports, by tfuse name.
+DISPLAY = {
+    "relu": "ReLU",
+    "leaky_relu": "LeakyReLU",
+    "gelu": "GELU",
+    "gelu_tanh": "GELU(tanh)",
+    "silu": "SiLU",
+    "sigmoid": "Sigmoid",
+    "tanh": "Tanh",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationCall:
+    """A fusable activation: tfuse's name for it, leaky_relu's slope, and the node it is applied to."""
+
+    act: str
+    negative_slope: float | None
+    source: Any  # the input node (graph), or None (a module in a container)
+
+    @property
+    def display(self) -> str:
+        return DISPLAY[self.act]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """An activation tfuse has no fused kernel for (yet)."""
+
+    name: str
+
+
+_PLAIN_MODULES: dict[type, str] = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
+_UNSUPPORTED_MODULES = (
+    nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.PReLU, nn.Softplus,
+    nn.GLU, nn.RReLU, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
+)  # fmt: skip
+_PLAIN_FUNCTIONS: dict[Any, str] = {
+    F.relu: "relu",
+    torch.relu: "relu",
+    torch.relu_: "relu",
+    F.relu_: "relu",
+    F.silu: "silu",
+    torch.sigmoid: "sigmoid",
+    F.sigmoid: "sigmoid",
+    torch.tanh: "tanh",
+    F.tanh: "tanh",
+}
+_UNSUPPORTED_FUNCTIONS = {
+    F.relu6: "relu6", F.hardtanh: "hardtanh", F.hardswish: "hardswish", F.hardsigmoid: "hardsigmoid",
+    F.mish: "mish", F.elu: "elu", F.selu: "selu", F.celu: "celu", F.softplus: "softplus", F.prelu: "prelu",
+}  # fmt: skip
+_PLAIN_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh",
+                  "tanh_": "tanh"}  # fmt: skip
+
+
+def of_module(module: nn.Module, source: Any = None) -> ActivationCall | Unsupported | None:
+    """What activation ``module`` is (exact types: a subclass may compute something else)."""
+    kind = type(module)
+    if kind in _PLAIN_MODULES:
+        return ActivationCall(_PLAIN_MODULES[kind], None, source)
+    if kind is nn.LeakyReLU:
+        return ActivationCall("leaky_relu", float(module.negative_slope), source)
+    if kind is nn.GELU:
+        approximate = module.approximate
+        if approximate in ("none", "tanh"):
+            return ActivationCall("gelu" if approximate == "none" else "gelu_tanh", None, source)
+        return Unsupported(f"GELU(approximate={approximate!r})")
+    if isinstance(module, _UNSUPPORTED_MODULES):
+        return Unsupported(kind.__name__)
+    return None
+
+
+def of_node(node: fx.Node, modules: dict[str, nn.Module]) -> ActivationCall | Unsupported | None:
+    """What activation ``node`` applies, and to which node; None when it is not an activation."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    source = node.args[0]
+    if node.op == "call_module":
+        return of_module(modules[node.target], source)
+    if node.op == "call_function":
+        target = node.target
+        if target in _PLAIN_FUNCTIONS:
+            return ActivationCall(_PLAIN_FUNCTIONS[target], None, source)
+        if target is F.leaky_relu:
+            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+            return ActivationCall("leaky_relu", float(slope), source) if isinstance(slope, (int, float)) else None
+        if target is F.gelu:
+            approximate = node.kwargs.get("approximate", "none")
+            if approximate in ("none", "tanh"):
+                return ActivationCall("gelu" if approximate == "none" else "gelu_tanh", None, source)
+            return Unsupported(f"gelu(approximate={approximate!r})")
+        if target in _UNSUPPORTED_FUNCTIONS:
+            return Unsupported(_UNSUPPORTED_FUNCTIONS[target])
+        return None
+    if node.op == "call_method" and node.target in _PLAIN_METHODS and len(node.args) == 1 and not node.kwargs:
+        return ActivationCall(_PLAIN_METHODS[node.target], None, source)
+    return None
+
+
+#: Tensor additions a residual or bias add is traced as.
+ADDS = (operator.add, operator.iadd, torch.add)

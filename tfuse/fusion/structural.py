@@ -1,0 +1,81 @@
+"""Fusion where the forward does not trace: adjacent layers of ``nn.Sequential`` containers only.
+
+An ``nn.Sequential`` runs its children one after another, so a BatchNorm or
+Linear child followed by an activation child computes act(layer(x)) whatever
+the surrounding forward does (assuming it calls the container, not its
+children one by one). That pair becomes the fused layer and an
+``nn.Identity`` in the activation's slot, so indices and state-dict keys stay.
+Nothing else is touched. The containers on the way are copied, the layers
+and parameters are shared: the original model is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from tfuse.fusion import activations
+from tfuse.fusion.report import Fused, FusionReport, Skipped
+from tfuse.fusion.strategy import FusionStrategy
+from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
+
+_FUSED_BN: dict[type, type] = {nn.BatchNorm1d: FusedBatchNormAct1d, nn.BatchNorm2d: FusedBatchNormAct2d}
+
+
+def fuse_sequentials(model: nn.Module, strategy: FusionStrategy, note: str) -> tuple[nn.Module, FusionReport]:
+    """A copy of ``model``'s module tree (sharing layers and parameters) with Sequential neighbours fused."""
+    report = FusionReport(method="structural", note=note)
+    root = _copy_tree(model, {})
+    for prefix, module in root.named_modules():
+        if type(module) is nn.Sequential:
+            _fuse_children(module, prefix, strategy, report)
+    return root, report
+
+
+def _copy_tree(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """``module`` and its descendants as new Module objects whose parameters and buffers are the originals'
+    (a module reused at two places stays one object)."""
+    found = memo.get(id(module))
+    if found is not None:
+        return found
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    clone._modules = {
+        name: None if child is None else _copy_tree(child, memo) for name, child in module._modules.items()
+    }
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, report: FusionReport) -> None:
+    names = list(seq._modules)
+    index = 0
+    while index + 1 < len(names):
+        name, next_name = names[index], names[index + 1]
+        layer, following = seq._modules[name], seq._modules[next_name]
+        where = f"{prefix}.{name}" if prefix else name
+        found = activations.of_module(following) if following is not None else None
+        is_norm = type(layer) in _FUSED_BN and strategy.fuse_bn_act
+        fusable = is_norm or (type(layer) is nn.Linear and strategy.fuse_linear_act)
+        if found is None or not fusable:
+            index += 1
+            continue
+        if isinstance(found, activations.Unsupported):
+            report.skipped.append(
+                Skipped(where, f"is followed by {found.name}, which has no fused kernel in tfuse yet")
+            )
+            index += 1
+            continue
+        if type(layer) is nn.Linear:
+            fused = FusedLinear.from_linear(layer, act=found.act, negative_slope=found.negative_slope)
+            kind = f"Linear+{found.display}"
+        else:
+            fused = _FUSED_BN[type(layer)].from_batchnorm(layer, act=found.act, negative_slope=found.negative_slope)
+            kind = f"{type(layer).__name__}+{found.display}"
+        seq._modules[name] = fused
+        seq._modules[next_name] = nn.Identity()
+        act_where = f"{prefix}.{next_name}" if prefix else next_name
+        report.fused.append(Fused(kind, (where, act_where), type(fused).__name__))
+        index += 2
