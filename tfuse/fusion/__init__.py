@@ -13,7 +13,7 @@ from tfuse.fusion.strategy import FusionStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fused", "FusionReport", "FusionStrategy", "Skipped", "fuse_model"]
+__all__ = ["Fused", "FusionReport", "FusionStrategy", "Setup", "Skipped", "fuse_model", "setup"]
 
 
 def fuse_model(
@@ -76,3 +76,6 @@ def fuse_model(
     if report.note:
         logger.info("tfuse.fuse_model: %s", report.note)
     return fused, report
+
+
+from tfuse.fusion.setup_training import Setup, setup  # noqa: E402  (setup uses fuse_model)

@@ -7,10 +7,12 @@ import dataclasses
 
 @dataclasses.dataclass
 class FusionStrategy:
-    """Which patterns :func:`tfuse.fuse_model` fuses; every switch is on by default.
+    """What :func:`tfuse.fuse_model` fuses and how :func:`tfuse.setup` trains; every fusion is on by default.
 
-    The names follow PaddlePaddle's BuildStrategy (``fuse_bn_act_ops``,
-    ``fuse_bn_add_act_ops``, ``fuse_elewise_add_act_ops``) in PyTorch terms.
+    The names follow PaddlePaddle's BuildStrategy and DistributedStrategy
+    (``fuse_bn_act_ops``, ``fuse_bn_add_act_ops``, ``fuse_elewise_add_act_ops``,
+    ``fuse_all_optimizer_ops``, ``fuse_all_reduce_ops``, ``fuse_grad_size_in_MB``,
+    gradient merge, sharding, LocalSGD) in PyTorch terms.
 
     Example:
         >>> import tfuse
@@ -33,8 +35,61 @@ class FusionStrategy:
     """A tensor add followed by an activation (a bias or residual add) -> ``tfuse.add_act``. Needs
     ``example_inputs`` (which operand has the result's shape decides the call)."""
 
+    fuse_all_optimizer_ops: bool = True
+    """:func:`tfuse.setup`: a tfuse fused optimizer (one update launch per flat buffer) rather than torch.optim's."""
+
+    fuse_all_reduce_ops: bool = True
+    """:func:`tfuse.setup`, under torch.distributed: ``FusedDataParallel`` (one all-reduce per bucket of a flat
+    gradient buffer) rather than torch's ``DistributedDataParallel``."""
+
+    fuse_grad_size_in_mb: float | None = 16
+    """Bucket size cap in MB of the fused all-reduce (None: one bucket per flat buffer)."""
+
+    max_params_per_bucket: int | None = None
+    """Most parameters per all-reduce bucket (None: no count cap)."""
+
+    gradient_merge_steps: int = 1
+    """Backward passes whose gradients are accumulated before one all-reduce and one step (the seeds'
+    gradient merge); ``gradient_merge_avg`` averages them (else sums)."""
+
+    gradient_merge_avg: bool = True
+
+    sharding: str = "none"
+    """``"none"`` or ``"optimizer"``: :class:`~tfuse.distributed.ShardedOptimizer` (optimizer state and master
+    weights split over the ranks)."""
+
+    local_sgd_every: int | None = None
+    """None, or k: :class:`~tfuse.distributed.LocalSGD`, parameters averaged every k iterations instead of
+    gradients every iteration (after ``local_sgd_warmup`` iterations of every-step averaging)."""
+
+    local_sgd_warmup: int = 0
+
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in ("fuse_bn_act", "fuse_bn_add_act", "fuse_linear_act", "fuse_add_act", "fuse_all_optimizer_ops",
+                     "fuse_all_reduce_ops", "gradient_merge_avg"):  # fmt: skip
+            value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"FusionStrategy.{field.name} must be a bool, got {value!r}")
+                raise TypeError(f"FusionStrategy.{name} must be a bool, got {value!r}")
+        size = self.fuse_grad_size_in_mb
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ValueError(f"FusionStrategy.fuse_grad_size_in_mb must be a positive number or None, got {size!r}")
+        for name, low in (("gradient_merge_steps", 1), ("local_sgd_warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"FusionStrategy.{name} must be an int >= {low}, got {value!r}")
+        for name in ("max_params_per_bucket", "local_sgd_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"FusionStrategy.{name} must be None or an int >= 1, got {value!r}")
+        if self.sharding not in ("none", "optimizer"):
+            raise ValueError(f"FusionStrategy.sharding must be 'none' or 'optimizer', got {self.sharding!r}")
+        if self.sharding == "optimizer" and self.local_sgd_every is not None:
+            raise ValueError(
+                "FusionStrategy: sharding='optimizer' and local_sgd_every exclude each other (a sharded optimizer "
+                "needs the gradients of every step on the shards' owners; LocalSGD communicates every k steps)"
+            )
+        if self.local_sgd_every is not None and self.gradient_merge_steps != 1:
+            raise ValueError(
+                "FusionStrategy: local_sgd_every with gradient_merge_steps > 1 is not supported: accumulate "
+                "gradients with more local steps instead (local steps already communicate nothing)"
+            )

@@ -1,0 +1,105 @@
+"""tfuse.setup: fuse, wrap for data parallelism, build the optimizer over the flat buffers, say what it did."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tfuse
+from tfuse.nn import FusedLinear
+
+from dist_helpers import run_world, scenario
+from setup_scenarios import SUITE, net, run_suite
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+TIGHT = dict(rtol=1e-9, atol=1e-11)  # float64; the summation order differs from the whole-batch reference
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    outcomes = run_world(run_suite, 2, timeout=300, pg_timeout_s=60, names=list(SUITE))
+    return [outcome.unwrap() for outcome in outcomes]
+
+
+def test_one_process_gives_the_fused_model_and_optimizer_and_logs_what_it_did(caplog):
+    with caplog.at_level(logging.INFO, logger="tfuse.fusion.setup_training"):
+        setup = tfuse.setup(net(), "adamw", lr=1e-3)
+    model, optimizer = setup
+    assert isinstance(model.get_submodule("0"), FusedLinear) and model.get_submodule("0").act == "gelu"
+    assert type(optimizer).__name__ == "FusedAdamW" and optimizer.param_groups[0]["lr"] == 1e-3
+    assert setup.report.counts() == {"Linear+GELU": 1, "Linear+SiLU": 1}
+    assert setup.local_sgd is None
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [f"tfuse.setup: {line}" for line in setup.summary]
+    assert setup.summary[0] == "fusion: fused 1 Linear+GELU, 1 Linear+SiLU (torch.fx)"
+    assert setup.summary[1] == "gradient tensors: 6 (435 elements)"
+    assert setup.summary[2].startswith("optimizer: FusedAdamW: 6 parameters (435 elements) in 1 flat buffer")
+
+
+def test_torch_optimizers_and_a_tfuse_class_are_accepted():
+    _, optimizer = tfuse.setup(net(), "momentum", tfuse.FusionStrategy(fuse_all_optimizer_ops=False), lr=0.1)
+    assert type(optimizer) is torch.optim.SGD and optimizer.param_groups[0]["momentum"] == 0.9
+    _, optimizer = tfuse.setup(net(), tfuse.optim.FusedSGD, lr=0.1)
+    assert type(optimizer) is tfuse.optim.FusedSGD
+
+
+def test_bad_arguments_are_refused_naming_the_problem():
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'; expected one of adamw, adam, sgd, momentum"):
+        tfuse.setup(net(), "lamb", lr=0.1)
+    with pytest.raises(TypeError, match="optimizer must be 'adamw', .* got <class 'torch.optim.adam.Adam'>"):
+        tfuse.setup(net(), torch.optim.Adam, lr=0.1)
+    with pytest.raises(RuntimeError, match="sharding and LocalSGD need torch.distributed initialised"):
+        tfuse.setup(net(), "adamw", tfuse.FusionStrategy(sharding="optimizer"), lr=0.1)
+    with pytest.raises(RuntimeError, match="gradient_merge_steps > 1 merges gradients before their all-reduce"):
+        tfuse.setup(net(), "adamw", tfuse.FusionStrategy(gradient_merge_steps=2), lr=0.1)
+    with pytest.raises(ValueError, match="sharding must be 'none' or 'optimizer', got 'zero3'"):
+        tfuse.FusionStrategy(sharding="zero3")
+    with pytest.raises(ValueError, match="sharding='optimizer' and local_sgd_every exclude each other"):
+        tfuse.FusionStrategy(sharding="optimizer", local_sgd_every=4)
+    with pytest.raises(ValueError, match="fuse_grad_size_in_mb must be a positive number or None, got 0"):
+        tfuse.FusionStrategy(fuse_grad_size_in_mb=0)
+    with pytest.raises(ValueError, match="gradient_merge_steps must be an int >= 1, got 0"):
+        tfuse.FusionStrategy(gradient_merge_steps=0)
+    with pytest.raises(TypeError, match="strategy must be a tfuse.FusionStrategy, got dict"):
+        tfuse.setup(net(), "adamw", {"fuse_bn_act": True}, lr=0.1)
+
+
+def test_data_parallel_training_equals_the_whole_batch_in_one_process(world2):
+    for result in scenario(world2, "default"):
+        assert result["model"] == "FusedDataParallel" and result["optimizer"] == "FusedAdamW"
+        assert result["fused"] == {"Linear+GELU": 1, "Linear+SiLU": 1}
+        assert result["allreduce_calls"] == 1 and result["shares_buffers"]
+        assert any(line.startswith("all-reduce: 6 gradient tensors -> 1 all-reduce call(s) per step over 2 ranks")
+                   for line in result["summary"])
+        for ours, theirs in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(ours, theirs, **TIGHT)
+
+
+def test_strategy_knobs_reach_the_wrapper(world2):
+    for result in scenario(world2, "knobs"):
+        assert result["bucket_mb"] is None and result["max_params"] == 2 and result["merge"] == 2
+        assert result["buckets"] == 3  # 6 gradient tensors, at most 2 per bucket
+        assert any("-> 3 all-reduce call(s)" in line for line in result["summary"])
+
+
+def test_sharded_optimizer_option(world2):
+    for result in scenario(world2, "sharded"):
+        assert result["is_sharded"]
+        for ours, theirs in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(ours, theirs, **TIGHT)
+
+
+def test_local_sgd_option(world2):
+    for result in scenario(world2, "local_sgd"):
+        assert result["differ_before"] and result["equal_after"] and result["syncs"] == 1
+
+
+def test_torch_ddp_and_torch_optimizer_option(world2):
+    for result in scenario(world2, "torch_ddp"):
+        assert result["model"] == "DistributedDataParallel" and result["optimizer"] == "torch.optim.adamw.AdamW"
+        for ours, theirs in zip(result["params"], result["reference"]):
+            torch.testing.assert_close(ours, theirs, **TIGHT)
