@@ -1,0 +1,49 @@
+"""The README's main command, ``python -m tfuse.examples.train``, in its short mode: 2 CPU ranks, 8 steps.
+
+It runs as a user runs it (a fresh process, no TRITON_INTERPRET: the PyTorch
+path), and its two trainings (tfuse, plain PyTorch from the same weights on
+the same batches) must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def test_the_example_trains_both_ways_and_they_agree(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
+    command = [sys.executable, "-m", "tfuse.examples.train", "--quick", "--cpu", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout
+    assert "2 ranks (gloo on the CPU)" in out
+    assert "fusion: fused 7 BatchNorm2d+ReLU (3 with residual), 1 Linear+ReLU (torch.fx)" in out
+    assert "all-reduce: 28 gradient tensors -> 1 all-reduce call(s) per step over 2 ranks" in out
+    assert "held-out accuracy" in out and "step time, plain / tfuse:" in out
+    saved = json.loads((tmp_path / "train.json").read_text())
+    fused, plain = saved["trainings"]["tfuse"], saved["trainings"]["plain PyTorch"]
+    assert len(fused["losses"]) == len(plain["losses"]) == 8
+    # Same weights, same batches, float32 on both sides: the curves differ by rounding only.
+    for a, b in zip(fused["losses"], plain["losses"]):
+        assert abs(a - b) <= 1e-3 * abs(b), (fused["losses"], plain["losses"])
+    assert abs(fused["accuracy"][-1] - plain["accuracy"][-1]) <= 2 / 256  # a test image or two either way
+    assert saved["step_time_ratio"] > 0
+    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_are_refused():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tfuse.examples.train", "--batch", "7"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--batch a multiple of --ranks" in result.stderr

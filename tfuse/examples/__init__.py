@@ -1,0 +1,1 @@
+"""Runnable examples of tfuse: ``python -m tfuse.examples.train`` trains a small ResNet end to end."""
