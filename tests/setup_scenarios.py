@@ -125,7 +125,27 @@ def torch_ddp(rank: int, world: int) -> dict:
     }
 
 
-SUITE = {"default": default, "knobs": knobs, "sharded": sharded, "local_sgd": local_sgd, "torch_ddp": torch_ddp}
+def tune(rank: int, world: int) -> dict:
+    """tune_buckets on this rank's rows: a table, the same recommendation everywhere, the model untouched."""
+    model = net()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(world, 1)[0]
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    tuning = tfuse.tune_buckets(model, torch.nn.functional.mse_loss, (x[rows], y[rows]),
+                                candidates=[(1e-4, None), (None, None), (None, 2)], steps=3, warmup=1, rounds=2)
+    return {
+        "rows": [(r.bucket_mb, r.max_params_per_bucket, r.buckets, r.median_ms) for r in tuning.rows],
+        "best": (tuning.best.bucket_mb, tuning.best.max_params_per_bucket),
+        "text": str(tuning),
+        "untouched": all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        and not any(hasattr(p, "_tfuse_wrapped") for p in model.parameters())
+        and type(model) is torch.nn.Sequential,
+        "grads": [p.grad is None for p in model.parameters()],
+    }
+
+
+SUITE = {"default": default, "knobs": knobs, "sharded": sharded, "local_sgd": local_sgd, "torch_ddp": torch_ddp,
+         "tune": tune}
 
 
 def run_suite(rank: int, world: int, names: list[str]) -> dict:

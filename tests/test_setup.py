@@ -103,3 +103,23 @@ def test_torch_ddp_and_torch_optimizer_option(world2):
         assert result["model"] == "DistributedDataParallel" and result["optimizer"] == "torch.optim.adamw.AdamW"
         for ours, theirs in zip(result["params"], result["reference"]):
             torch.testing.assert_close(ours, theirs, **TIGHT)
+
+
+def test_tune_buckets_measures_every_candidate_and_agrees_across_ranks(world2):
+    ranks = scenario(world2, "tune")
+    for result in ranks:
+        settings = [(mb, cap, calls) for mb, cap, calls, _ in result["rows"]]
+        # 1e-4 MB caps each bucket at one parameter's gradient or less: one call per gradient tensor.
+        assert settings == [(1e-4, None, 6), (None, None, 1), (None, 2, 3)]
+        assert all(ms > 0 for *_, ms in result["rows"])
+        fastest = min(result["rows"], key=lambda row: row[3])
+        assert result["best"] == fastest[:2]
+        assert "| bucket_mb | max_params_per_bucket | all-reduce calls | ms / step | vs best |" in result["text"]
+        assert "Recommended: FusionStrategy(fuse_grad_size_in_mb=" in result["text"]
+        assert result["untouched"] and all(result["grads"])  # the user's model is neither trained nor wrapped
+    assert len({str(r["best"]) for r in ranks}) == 1  # the slowest rank's time per step: one answer
+
+
+def test_tune_buckets_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="tune_buckets: torch.distributed is not initialized"):
+        tfuse.tune_buckets(net(), torch.nn.functional.mse_loss, (torch.randn(2, 6).double(), torch.randn(2, 3).double()))

@@ -15,7 +15,7 @@ from tfuse import distributed, flat, functional, kernels, nn, optim  # noqa: E40
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
 from tfuse.functional import add, add_act  # noqa: E402
-from tfuse.fusion import FusionReport, FusionStrategy, Setup, fuse_model, setup  # noqa: E402
+from tfuse.fusion import FusionReport, FusionStrategy, Setup, fuse_model, setup, tune_buckets  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -39,5 +39,6 @@ __all__ = [
     "optim",
     "select_backend",
     "setup",
+    "tune_buckets",
     "use_backend",
 ]

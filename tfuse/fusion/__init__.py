@@ -13,7 +13,17 @@ from tfuse.fusion.strategy import FusionStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fused", "FusionReport", "FusionStrategy", "Setup", "Skipped", "fuse_model", "setup"]
+__all__ = [
+    "BucketTuning",
+    "Fused",
+    "FusionReport",
+    "FusionStrategy",
+    "Setup",
+    "Skipped",
+    "fuse_model",
+    "setup",
+    "tune_buckets",
+]
 
 
 def fuse_model(
@@ -79,3 +89,4 @@ def fuse_model(
 
 
 from tfuse.fusion.setup_training import Setup, setup  # noqa: E402  (setup uses fuse_model)
+from tfuse.fusion.tune import BucketTuning, tune_buckets  # noqa: E402
