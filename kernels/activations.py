@@ -18,7 +18,12 @@ and comparisons, the same in the PORTABLE and GPU formulas):
   selects rather than multiplies: relu's backward is torch's
   threshold_backward, ``0 where z <= 0, else dy`` (so dy passes where z is
   NaN, and a NaN or infinite dy gives 0 where z < 0); leaky_relu's is
-  ``dy * slope`` where z is NaN.
+  ``dy * slope`` where z is NaN. relu6, hardtanh and hardsigmoid select
+  ``dy`` (``dy / 6``) strictly inside their linear range and 0 elsewhere,
+  NaN included, and hardswish 0 at z <= -3 whatever dy; hardswish and elu
+  give NaN at a NaN z. (torch's vectorised
+  CPU kernels do the same; its scalar loops, which serve the last few
+  elements of a tensor, pass dy at a NaN z instead.)
 * +-0: the sign of a zero result is torch's (relu(-0) = -0, tanh(-0) = -0).
 * +-inf: where the derivative is ``z * 0`` in the limit (gelu, gelu_tanh and
   silu at +-inf) it is NaN, as in torch; values at +-inf are torch's
@@ -59,6 +64,12 @@ GELU_TANH = tl.constexpr(codes.GELU_TANH)  # tanh approximation
 SILU = tl.constexpr(codes.SILU)
 SIGMOID = tl.constexpr(codes.SIGMOID)
 TANH = tl.constexpr(codes.TANH)
+RELU6 = tl.constexpr(codes.RELU6)
+HARDTANH = tl.constexpr(codes.HARDTANH)
+HARDSWISH = tl.constexpr(codes.HARDSWISH)
+HARDSIGMOID = tl.constexpr(codes.HARDSIGMOID)
+MISH = tl.constexpr(codes.MISH)
+ELU = tl.constexpr(codes.ELU)
 
 PORTABLE = tl.constexpr(codes.PORTABLE)
 GPU = tl.constexpr(codes.GPU)
@@ -86,6 +97,14 @@ def _expm1(x):
     result = u_minus_1 * x / tl.log(safe_u)
     result = tl.where(u == 1.0, x, result)
     return tl.where(u_minus_1 == -1.0, -1.0, result)
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) accurate near 0 (Kahan's trick: the rounding of 1 + x cancels)."""
+    u = 1.0 + x
+    safe_u = tl.where((u == 1.0) | (u == _INF), 2.0, u)  # 0 / 0 and inf / inf below: those lanes take x
+    return tl.where((u == 1.0) | (u == _INF), x, tl.log(safe_u) * x / (safe_u - 1.0))
 
 
 @triton.jit
@@ -146,6 +165,20 @@ def _gelu_tanh_parts(z, MATH: tl.constexpr):
 
 
 @triton.jit
+def _relu6_shifted(z):
+    """min(max(z + 3, 0), 6), NaN kept (hardswish and hardsigmoid)."""
+    nan = tl.PropagateNan.ALL
+    return tl.minimum(tl.maximum(z + 3.0, 0.0, propagate_nan=nan), 6.0, propagate_nan=nan)
+
+
+@triton.jit
+def _softplus(z):
+    """log(1 + exp(z)), as torch's mish computes it (log1p(exp(z))): exp overflows to inf past 88 (float32),
+    and then so does the result, whose tanh is 1."""
+    return _log1p(tl.exp(z))
+
+
+@triton.jit
 def _activation(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
     """act(z) in math mode MATH."""
     if ACT == IDENTITY:
@@ -164,6 +197,18 @@ def _activation(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
         y = z * _sigmoid_m(z, MATH)
     elif ACT == SIGMOID:
         y = _sigmoid_m(z, MATH)
+    elif ACT == RELU6:
+        y = tl.minimum(tl.where(z < 0, 0.0, z), 6.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
+    elif ACT == HARDTANH:
+        y = tl.where(z < -1.0, -1.0, tl.where(z > 1.0, 1.0, z))
+    elif ACT == HARDSWISH:
+        y = z * (_relu6_shifted(z) / 6.0)  # not (z * 6) / 6: that overflows past 5.7e37 in float32
+    elif ACT == HARDSIGMOID:
+        y = _relu6_shifted(z) / 6.0
+    elif ACT == MISH:
+        y = z * _tanh_m(_softplus(z), MATH)
+    elif ACT == ELU:
+        y = tl.where(z > 0, z, _expm1(z))
     else:
         y = _tanh_m(z, MATH)
     return y
@@ -197,6 +242,19 @@ def _activation_grad(z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
     elif ACT == SIGMOID:
         s = _sigmoid_m(z, MATH)
         d = s * (1.0 - s)
+    elif ACT == RELU6:
+        d = tl.where((z > 0) & (z < 6.0), 1.0, 0.0).to(z.dtype)
+    elif ACT == HARDTANH:
+        d = tl.where((z > -1.0) & (z < 1.0), 1.0, 0.0).to(z.dtype)
+    elif ACT == HARDSWISH:
+        d = tl.where(z <= -3.0, 0.0, tl.where(z >= 3.0, 1.0, z / 3.0 + 0.5))  # NaN at a NaN z
+    elif ACT == HARDSIGMOID:
+        d = tl.where((z > -3.0) & (z < 3.0), 1.0 / 6.0, 0.0).to(z.dtype)
+    elif ACT == MISH:
+        t = _tanh_m(_softplus(z), MATH)
+        d = t + z * _sigmoid_m(z, MATH) * (1.0 - t * t)
+    elif ACT == ELU:
+        d = tl.where(z > 0, 1.0, tl.exp(z))  # NaN at a NaN z
     else:
         t = _tanh_m(z, MATH)
         d = 1.0 - t * t
@@ -234,9 +292,18 @@ def _act_grad_from_output(y, ACT: tl.constexpr, negative_slope):
 
 @triton.jit
 def _activation_backward(dy, z, ACT: tl.constexpr, negative_slope, MATH: tl.constexpr):
-    """dy * act'(z) as torch computes it: relu selects (0 where z <= 0 whatever dy), the others multiply."""
+    """dy * act'(z) as torch computes it: relu, relu6, hardtanh and hardsigmoid select (0 outside their
+    linear range whatever dy), hardswish below -3, the others multiply."""
     if ACT == RELU:
         dz = tl.where(z <= 0, 0.0, dy)
+    elif ACT == RELU6:
+        dz = tl.where((z > 0) & (z < 6.0), dy, 0.0)
+    elif ACT == HARDTANH:
+        dz = tl.where((z > -1.0) & (z < 1.0), dy, 0.0)
+    elif ACT == HARDSIGMOID:
+        dz = tl.where((z > -3.0) & (z < 3.0), dy / 6.0, 0.0)
+    elif ACT == HARDSWISH:
+        dz = tl.where(z <= -3.0, 0.0, dy * _activation_grad(z, ACT, negative_slope, MATH))  # 0 there, even for NaN dy
     else:
         dz = dy * _activation_grad(z, ACT, negative_slope, MATH)
     return dz

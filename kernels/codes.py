@@ -14,6 +14,12 @@ GELU_TANH = 4  # tanh approximation
 SILU = 5
 SIGMOID = 6
 TANH = 7
+RELU6 = 8
+HARDTANH = 9  # min -1, max 1 (nn.Hardtanh's defaults)
+HARDSWISH = 10
+HARDSIGMOID = 11
+MISH = 12
+ELU = 13  # alpha 1 (nn.ELU's default)
 
 # Math modes of the activations (kernels/activations.py ``MATH``).
 PORTABLE = 0

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tfuse.ops._activations import Activation
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -138,5 +140,19 @@ def torch_activation(act: str, negative_slope: float = 0.2):
         "silu": F.silu,
         "sigmoid": torch.sigmoid,
         "tanh": torch.tanh,
+        "relu6": F.relu6,
+        "hardtanh": F.hardtanh,
+        "hardswish": F.hardswish,
+        "hardsigmoid": F.hardsigmoid,
+        "mish": F.mish,
+        "elu": F.elu,
         "identity": lambda z: z,
     }[act]
+
+
+#: Every activation tfuse fuses, by name (from the table itself, so a new entry is tested everywhere).
+ACTIVATION_NAMES = tuple(member.label for member in Activation)
+#: Activations that cover every path the kernels take by activation (a derivative from the output that selects
+#: or multiplies, from the input, none; a slope): the cross-products with every layout use these, and every
+#: other activation (whose path is one of these) is crossed with a few layouts only. (Test time, not coverage.)
+PATH_ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity")

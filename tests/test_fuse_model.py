@@ -150,8 +150,7 @@ def test_fused_models_compute_what_the_originals_do(case, with_shapes):
     model = double(make())
     example = torch.randn(shape, dtype=torch.float64) if with_shapes else None
     fused, report = fuse_model(model, example_inputs=example)
-    assert report.method == "fx"
-    assert bool(report.fused) == (case != "mobilenet")  # its ReLU6 and Hardswish have no fused kernel yet
+    assert report.method == "fx" and report.fused
     for train in (True, False):
         assert_same_computation(model, fused, shape, train)
     # Checkpoints load both ways, strictly (same keys, same shapes).
@@ -184,16 +183,27 @@ def test_without_shapes_the_residual_patterns_are_reported_not_guessed():
     assert all("needs example_inputs" in r for r in reasons.values())
 
 
-def test_mobilenet_relu6_is_skipped_with_its_reason():
+def test_mobilenet_relu6_and_hardswish_are_fused():
     fused, report = fuse_model(MobileNetish())
-    assert report.fused == []
-    skipped = {s.where: s.reason for s in report.skipped}
-    assert skipped == {
-        "features.1": "is followed by ReLU6, which has no fused kernel in tfuse yet",
-        "features.4": "is followed by ReLU6, which has no fused kernel in tfuse yet",
-        "features.9": "is followed by Hardswish, which has no fused kernel in tfuse yet",
+    assert report.counts() == {"BatchNorm2d+ReLU6": 2, "BatchNorm2d+Hardswish": 1}
+    assert [fused.get_submodule(f"features.{i}").act for i in (1, 4, 9)] == ["relu6", "relu6", "hardswish"]
+    assert type(fused.get_submodule("features.7")) is nn.BatchNorm2d  # a linear bottleneck: no activation
+    assert not report.skipped
+
+
+def test_activations_without_a_kernel_and_other_parameters_are_skipped_with_their_reason():
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.SELU(), nn.Linear(4, 4), nn.ELU(alpha=0.5), nn.BatchNorm1d(4), nn.Hardtanh(-2.0, 2.0),
+        nn.Linear(4, 4), nn.Hardtanh(0.0, 6.0), nn.Linear(4, 4), nn.ELU(),
+    )
+    fused, report = fuse_model(model)
+    assert report.counts() == {"Linear+ReLU6": 1, "Linear+ELU": 1}  # Hardtanh(0, 6) is ReLU6; ELU at alpha 1
+    assert {s.where: s.reason for s in report.skipped} == {
+        "0": "is followed by SELU, which has no fused kernel in tfuse yet",
+        "2": "is followed by ELU(alpha=0.5), which has no fused kernel in tfuse yet",
+        "4": "is followed by Hardtanh(min_val=-2.0, max_val=2.0), which has no fused kernel in tfuse yet",
     }
-    assert "skipped 3: features.1 is followed by ReLU6" in str(report)
+    assert_same_computation(double(model), double(fused), (6, 4), train=True)
 
 
 def test_mlp_block_fuses_linear_gelu_batch_norm_silu_and_the_bias_add():
@@ -238,7 +248,7 @@ class Untraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.block = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.GELU())
-        self.other = nn.Sequential(nn.BatchNorm1d(8), nn.ReLU6())
+        self.other = nn.Sequential(nn.BatchNorm1d(8), nn.SELU())
 
     def forward(self, x):
         h = self.block(x)

@@ -12,7 +12,7 @@ from torch import nn
 import tfuse
 from tfuse.nn import FusedAddAct, FusedBiasAct, FusedLinear
 
-from helpers import make_input
+from helpers import ACTIVATION_NAMES, make_input
 
 TORCH_ACT = {
     "relu": nn.ReLU,
@@ -22,6 +22,12 @@ TORCH_ACT = {
     "sigmoid": nn.Sigmoid,
     "tanh": nn.Tanh,
     "leaky_relu": lambda: nn.LeakyReLU(0.01),
+    "relu6": nn.ReLU6,
+    "hardtanh": nn.Hardtanh,
+    "hardswish": nn.Hardswish,
+    "hardsigmoid": nn.Hardsigmoid,
+    "mish": nn.Mish,
+    "elu": nn.ELU,
     "identity": nn.Identity,
 }
 
@@ -34,8 +40,8 @@ def test_fused_add_act_module(device):
     x, skip = make_input((2, 8, 4, 4), torch.float32, device), make_input((2, 8, 4, 4), torch.float32, device)
     torch.testing.assert_close(module(x, skip), F.leaky_relu(x + skip, 0.1))
     assert "leaky_relu" in repr(module) and list(module.state_dict()) == []
-    with pytest.raises(ValueError, match=r"unknown activation 'mish'"):
-        FusedAddAct("mish")
+    with pytest.raises(ValueError, match=r"unknown activation 'swish'"):
+        FusedAddAct("swish")
 
 
 # ---------------------------------------------------------------- FusedBiasAct
@@ -85,7 +91,7 @@ def test_fused_bias_act_errors(device):
 # ---------------------------------------------------------------- FusedLinear
 
 
-ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
+ACTS = list(ACTIVATION_NAMES)
 
 
 @pytest.mark.parametrize("bias", [True, False])

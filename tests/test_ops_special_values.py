@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import tfuse
 from tfuse.functional import batch_norm_act
 
-from helpers import torch_activation
+from helpers import ACTIVATION_NAMES, torch_activation
 
-ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity"]
+ACTS = list(ACTIVATION_NAMES)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BACKENDS = ["triton", "torch"]
 SLOPE = 0.2

@@ -25,6 +25,12 @@ DISPLAY = {
     "silu": "SiLU",
     "sigmoid": "Sigmoid",
     "tanh": "Tanh",
+    "relu6": "ReLU6",
+    "hardtanh": "Hardtanh",
+    "hardswish": "Hardswish",
+    "hardsigmoid": "Hardsigmoid",
+    "mish": "Mish",
+    "elu": "ELU",
 }
 
 
@@ -48,11 +54,23 @@ class Unsupported:
     name: str
 
 
-_PLAIN_MODULES: dict[type, str] = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
+_PLAIN_MODULES: dict[type, str] = {
+    nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.ReLU6: "relu6",
+    nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.Mish: "mish",
+}  # fmt: skip
 _UNSUPPORTED_MODULES = (
-    nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.PReLU, nn.Softplus,
-    nn.GLU, nn.RReLU, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
-)  # fmt: skip
+    nn.Hardtanh,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.PReLU,
+    nn.Softplus,
+    nn.GLU,
+    nn.RReLU,
+    nn.LogSigmoid,
+    nn.Softsign,
+    nn.Tanhshrink,
+)  # fmt: skip  (Hardtanh and ELU: with other parameters than the kernels' defaults)
 _PLAIN_FUNCTIONS: dict[Any, str] = {
     F.relu: "relu",
     torch.relu: "relu",
@@ -63,11 +81,14 @@ _PLAIN_FUNCTIONS: dict[Any, str] = {
     F.sigmoid: "sigmoid",
     torch.tanh: "tanh",
     F.tanh: "tanh",
+    F.relu6: "relu6",
+    F.hardswish: "hardswish",
+    F.hardsigmoid: "hardsigmoid",
+    F.mish: "mish",
 }
-_UNSUPPORTED_FUNCTIONS = {
-    F.relu6: "relu6", F.hardtanh: "hardtanh", F.hardswish: "hardswish", F.hardsigmoid: "hardsigmoid",
-    F.mish: "mish", F.elu: "elu", F.selu: "selu", F.celu: "celu", F.softplus: "softplus", F.prelu: "prelu",
-}  # fmt: skip
+_UNSUPPORTED_FUNCTIONS = {F.selu: "selu", F.celu: "celu", F.softplus: "softplus", F.prelu: "prelu"}
+#: Activations with parameters, fusable at the kernels' values: name -> (parameter names, fused values).
+_PARAMETRIC = {"hardtanh": (("min_val", "max_val"), (-1.0, 1.0)), "elu": (("alpha",), (1.0,))}
 _PLAIN_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh",
                   "tanh_": "tanh"}  # fmt: skip
 
@@ -79,6 +100,14 @@ def of_module(module: nn.Module, source: Any = None) -> ActivationCall | Unsuppo
         return ActivationCall(_PLAIN_MODULES[kind], None, source)
     if kind is nn.LeakyReLU:
         return ActivationCall("leaky_relu", float(module.negative_slope), source)
+    if kind is nn.Hardtanh:
+        if (module.min_val, module.max_val) == (0.0, 6.0):
+            return ActivationCall("relu6", None, source)
+        if (module.min_val, module.max_val) == (-1.0, 1.0):
+            return ActivationCall("hardtanh", None, source)
+        return Unsupported(f"Hardtanh(min_val={module.min_val}, max_val={module.max_val})")
+    if kind is nn.ELU:
+        return ActivationCall("elu", None, source) if module.alpha == 1.0 else Unsupported(f"ELU(alpha={module.alpha})")
     if kind is nn.GELU:
         approximate = module.approximate
         if approximate in ("none", "tanh"):
@@ -108,6 +137,8 @@ def of_node(node: fx.Node, modules: dict[str, nn.Module]) -> ActivationCall | Un
             if approximate in ("none", "tanh"):
                 return ActivationCall("gelu" if approximate == "none" else "gelu_tanh", None, source)
             return Unsupported(f"gelu(approximate={approximate!r})")
+        if target in (F.hardtanh, F.elu):
+            return _parametric(node, "hardtanh" if target is F.hardtanh else "elu", source)
         if target in _UNSUPPORTED_FUNCTIONS:
             return Unsupported(_UNSUPPORTED_FUNCTIONS[target])
         return None
@@ -118,3 +149,18 @@ def of_node(node: fx.Node, modules: dict[str, nn.Module]) -> ActivationCall | Un
 
 #: Tensor additions a residual or bias add is traced as.
 ADDS = (operator.add, operator.iadd, torch.add)
+
+
+def _parametric(node: fx.Node, name: str, source: fx.Node) -> ActivationCall | Unsupported:
+    """F.hardtanh / F.elu: fusable at the kernels' parameter values (-1 and 1; alpha 1), named otherwise."""
+    names, fused = _PARAMETRIC[name]
+    values = tuple(
+        node.args[1 + i] if len(node.args) > 1 + i else node.kwargs.get(param, default)
+        for i, (param, default) in enumerate(zip(names, fused))
+    )
+    if values == fused:
+        return ActivationCall(name, None, source)
+    if name == "hardtanh" and values == (0.0, 6.0):
+        return ActivationCall("relu6", None, source)
+    shown = ", ".join(f"{param}={value}" for param, value in zip(names, values))
+    return Unsupported(f"{name}({shown})")

@@ -19,7 +19,8 @@ class FusedAddAct(nn.Module):
     activation that ends a residual block; state it anyway for readability.
 
     Args:
-        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
+        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, relu6, hardtanh, hardswish,
+            hardsigmoid, mish, elu or identity.
         negative_slope: slope of leaky_relu for negative inputs (default 0.01,
             as ``nn.LeakyReLU``); an error with any other activation, where it
             would have no effect.
@@ -64,7 +65,8 @@ class FusedBiasAct(nn.Module):
 
     Args:
         num_features: size of ``x`` along ``dim``.
-        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh or identity.
+        act: relu (default), leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, relu6, hardtanh, hardswish,
+            hardsigmoid, mish, elu or identity.
         dim: the dimension of ``x`` the bias runs along (negative counts from the end; default -1).
         negative_slope: slope of leaky_relu for negative inputs (default 0.01);
             an error with any other activation, where it would have no effect.

@@ -53,6 +53,12 @@ class Activation(enum.IntEnum):
     SILU = _codes.SILU
     SIGMOID = _codes.SIGMOID
     TANH = _codes.TANH
+    RELU6 = _codes.RELU6
+    HARDTANH = _codes.HARDTANH  # min_val -1, max_val 1
+    HARDSWISH = _codes.HARDSWISH
+    HARDSIGMOID = _codes.HARDSIGMOID
+    MISH = _codes.MISH
+    ELU = _codes.ELU  # alpha 1
     IDENTITY = _codes.IDENTITY
 
     @classmethod
@@ -88,7 +94,11 @@ class Activation(enum.IntEnum):
         relu, sigmoid and tanh are one-to-one where their derivative varies,
         so it follows from the output; so does leaky_relu's with a
         non-negative slope (y > 0 exactly when z > 0). gelu, gelu_tanh, silu,
-        and leaky_relu with a negative slope (two z give one y) need z.
+        hardswish, mish, and leaky_relu with a negative slope (two z give one
+        y) need z. So do relu6, hardtanh, hardsigmoid and elu, by choice: read
+        off a float16/bfloat16 y, their range tests would flip for z within
+        half an ulp of a corner (y rounds onto it), and elu's exp(z) = y + 1
+        would lose its precision near y = -1; z is exact.
         """
         source = _TORCH[self].grad_source
         if source is GradSource.OUTPUT and self.takes_slope and negative_slope < 0:
@@ -136,6 +146,19 @@ def _silu_backward(dy: torch.Tensor, z: torch.Tensor, _: float) -> torch.Tensor:
     return _aten.silu_backward(dy, z)
 
 
+def _mish_backward(dy: torch.Tensor, z: torch.Tensor, _: float) -> torch.Tensor:
+    if torch.is_grad_enabled():  # double backward: aten.mish_backward has no derivative
+        t = torch.tanh(F.softplus(z))
+        return dy * (t + z * torch.sigmoid(z) * (1 - t * t))
+    return _aten.mish_backward(dy, z)
+
+
+def _hardsigmoid_backward(dy: torch.Tensor, z: torch.Tensor, _: float) -> torch.Tensor:
+    # Not aten.hardsigmoid_backward: it multiplies by a float32 1/6 (3e-8 relative in float64) and has no
+    # derivative of its own; this select is exact and differentiable in dy (its derivative in z is 0).
+    return torch.where((z > -3) & (z < 3), dy / 6, torch.zeros((), dtype=dy.dtype, device=dy.device))
+
+
 _TORCH: dict[Activation, _TorchPath] = {
     Activation.RELU: _TorchPath(
         forward=lambda z, _: F.relu(z),
@@ -179,6 +202,44 @@ _TORCH: dict[Activation, _TorchPath] = {
         forward_=lambda z, _: z.tanh_(),
         backward=lambda dy, y, _: _aten.tanh_backward(dy, y),
         grad_source=GradSource.OUTPUT,
+    ),
+    Activation.RELU6: _TorchPath(
+        forward=lambda z, _: F.relu6(z),
+        forward_=lambda z, _: F.relu6(z, inplace=True),
+        backward=lambda dy, z, _: _aten.hardtanh_backward(dy, z, 0.0, 6.0),
+        grad_source=GradSource.INPUT,  # see Activation.grad_source: the range test on z, not on a rounded y
+    ),
+    Activation.HARDTANH: _TorchPath(
+        forward=lambda z, _: F.hardtanh(z),
+        forward_=lambda z, _: F.hardtanh(z, inplace=True),
+        backward=lambda dy, z, _: _aten.hardtanh_backward(dy, z, -1.0, 1.0),
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.HARDSWISH: _TorchPath(
+        forward=lambda z, _: F.hardswish(z),
+        forward_=lambda z, _: F.hardswish(z, inplace=True),
+        backward=lambda dy, z, _: _aten.hardswish_backward(dy, z),
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.HARDSIGMOID: _TorchPath(
+        forward=lambda z, _: F.hardsigmoid(z),
+        forward_=lambda z, _: F.hardsigmoid(z, inplace=True),
+        backward=_hardsigmoid_backward,
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.MISH: _TorchPath(
+        forward=lambda z, _: F.mish(z),
+        forward_=lambda z, _: F.mish(z, inplace=True),
+        backward=_mish_backward,
+        grad_source=GradSource.INPUT,
+    ),
+    Activation.ELU: _TorchPath(
+        forward=lambda z, _: F.elu(z),
+        forward_=lambda z, _: F.elu(z, inplace=True),
+        # From z, as torch's F.elu: from the output, exp(z) = y + 1 would lose its precision where y rounds
+        # near -1 in float16/bfloat16 (z below about -3), the saturated region.
+        backward=lambda dy, z, _: _aten.elu_backward(dy, 1.0, 1.0, 1.0, False, z),
+        grad_source=GradSource.INPUT,
     ),
     Activation.IDENTITY: _TorchPath(
         forward=lambda z, _: z,

@@ -5,9 +5,11 @@ What backward keeps (saved tensors), by activation:
 * identity: nothing.
 * relu, sigmoid, tanh, leaky_relu with negative_slope >= 0: the output y
   (their derivative follows from y), which the next layer usually keeps anyway.
-* gelu, gelu_tanh, silu, leaky_relu with negative_slope < 0: the inputs x and
+* the others (gelu, gelu_tanh, silu, hardswish, mish, relu6, hardtanh,
+  hardsigmoid, elu, leaky_relu with negative_slope < 0): the inputs x and
   others, and backward recomputes z = x + others; forward writes only y, and
-  no pre-activation tensor is ever stored.
+  no pre-activation tensor is ever stored (see Activation.grad_source for why
+  relu6, hardtanh, hardsigmoid and elu read z rather than y).
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def add_act(
     the last dimension, a per-channel ``[C, 1, 1]`` bias, a same-shape
     residual. Activations: relu, leaky_relu (``negative_slope``, default
     0.01; an error with any other activation, where it would have no effect),
-    gelu (erf form), gelu_tanh, silu, sigmoid, tanh, identity; values and
+    gelu (erf form), gelu_tanh, silu, sigmoid, tanh, relu6, hardtanh (-1 to
+    1), hardswish, hardsigmoid, mish, elu (alpha 1), identity; values and
     gradients match torch.nn.functional, NaN and infinities included (see
     kernels/activations.py for the few inputs where torch's own float32
     formulas overflow). Computation is float32 (float64 for float64) with one

@@ -80,7 +80,8 @@ def batch_norm_act(
     statistics over every dimension but 1, in float32 with Welford/Chan
     merging; biased variance to normalise, unbiased into ``running_var``,
     updated in place with ``momentum`` when ``training``), plus ``act``
-    (relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, identity),
+    (relu, leaky_relu, gelu, gelu_tanh, silu, sigmoid, tanh, relu6, hardtanh, hardswish, hardsigmoid,
+    mish, elu, identity),
     ``negative_slope`` (leaky_relu only, default 0.01) and an optional
     ``residual`` of ``x``'s shape added before the activation. NCHW and
     channels_last inputs are read in place; the output has ``x``'s layout,
