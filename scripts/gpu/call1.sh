@@ -6,7 +6,7 @@
 #                                      # runs the micro-benchmark at tiny shapes on the PyTorch path)
 #
 # Writes to $OUT (5 of the 8 files a device call may bring back):
-#   env.txt     versions, GPU, install result, each phase's exit status and time
+#   env.txt     versions, GPU, install result, each phase's exit status and time, fuse_model on the model zoo
 #   pytest.log  the test run (-rfE: failing test names even when the run is cut short)
 #   junit.xml   the same as JUnit XML
 #   micro.log   the micro-benchmark's output (table last)
@@ -37,6 +37,10 @@ pytest_args=(-p no:cacheprovider -rfE --durations=25 --junitxml="$out/junit.xml"
 [ "$dry" = 1 ] && pytest_args+=(--collect-only -q)
 timeout 360 "$py" -m pytest "${pytest_args[@]}" > "$out/pytest.log" 2>&1
 echo "pytest exit $? after ${SECONDS}s" | tee -a "$out/env.txt"
+
+# fuse_model on torchvision/timm networks (the GPU image has both; a CPU without them prints "skipped").
+{ echo "== fuse_model on the model zoo"; timeout 90 "$py" scripts/gpu/fuse_zoo.py 2>&1 | tail -n 20; } >> "$out/env.txt"
+echo "zoo done after ${SECONDS}s" | tee -a "$out/env.txt"
 
 micro_args=(); [ "$dry" = 1 ] && micro_args+=(--dry)
 OUT="$out" timeout $((560 - SECONDS)) "$py" -m benchmarks.micro "${micro_args[@]}" > "$out/micro.log" 2>&1
