@@ -27,11 +27,9 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tfuse.functional import add_act
 from tfuse.fusion import activations
+from tfuse.fusion.layers import fused_layer, is_batch_norm, is_linear, unsupported_reason
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
-from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
-
-_FUSED_BN: dict[type, type] = {nn.BatchNorm1d: FusedBatchNormAct1d, nn.BatchNorm2d: FusedBatchNormAct2d}
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
@@ -113,12 +111,12 @@ class _Rewriter:
             if isinstance(found, activations.Unsupported):
                 layer = self._layer_name(source)
                 if layer is not None:
-                    self._skip(layer, f"is followed by {found.name}, which has no fused kernel in tfuse yet")
+                    self._skip(layer, unsupported_reason(found))
                 continue
-            if source.op == "call_module" and type(self.modules[source.target]) in _FUSED_BN:
+            if source.op == "call_module" and is_batch_norm(self.modules[source.target]):
                 if self.strategy.fuse_bn_act:
                     self._fuse_bn(node, found, source, residual=None)
-            elif source.op == "call_module" and type(self.modules[source.target]) is nn.Linear:
+            elif source.op == "call_module" and is_linear(self.modules[source.target]):
                 if self.strategy.fuse_linear_act:
                     self._fuse_linear(node, found, source)
             elif _is_tensor_add(source):
@@ -127,7 +125,9 @@ class _Rewriter:
     # ------------------------------------------------------------------ checks
 
     def _layer_name(self, node: fx.Node) -> str | None:
-        if node.op == "call_module" and type(self.modules[node.target]) in (*_FUSED_BN, nn.Linear):
+        if node.op == "call_module" and (
+            is_batch_norm(self.modules[node.target]) or is_linear(self.modules[node.target])
+        ):
             return node.target
         return None
 
@@ -163,8 +163,7 @@ class _Rewriter:
     def _fuse_bn(self, act_node, found, bn_node, residual: fx.Node | None, add_node: fx.Node | None = None) -> bool:
         if not self._callable_once(bn_node) or not self._only_user(bn_node, add_node or act_node, bn_node.target):
             return False
-        bn = self.modules[bn_node.target]
-        fused = _FUSED_BN[type(bn)].from_batchnorm(bn, act=found.act, negative_slope=found.negative_slope)
+        fused, kind = fused_layer(self.modules[bn_node.target], found)
         self._replace_module(bn_node.target, fused)
         where = [bn_node.target, act_node.name]
         if residual is not None:
@@ -175,25 +174,20 @@ class _Rewriter:
             where.insert(1, add_node.name)
         else:
             self._drop(act_node, bn_node)
-        self.report.fused.append(
-            Fused(f"{type(bn).__name__}+{found.display}", tuple(where), type(fused).__name__, residual is not None)
-        )
+        self.report.fused.append(Fused(kind, tuple(where), type(fused).__name__, residual is not None))
         return True
 
     def _fuse_linear(self, act_node, found, linear_node) -> None:
         if not self._callable_once(linear_node) or not self._only_user(linear_node, act_node, linear_node.target):
             return
-        linear = self.modules[linear_node.target]
-        fused = FusedLinear.from_linear(linear, act=found.act, negative_slope=found.negative_slope)
+        fused, kind = fused_layer(self.modules[linear_node.target], found)
         self._replace_module(linear_node.target, fused)
         self._drop(act_node, linear_node)
-        self.report.fused.append(Fused(f"Linear+{found.display}", (linear_node.target, act_node.name), "FusedLinear"))
+        self.report.fused.append(Fused(kind, (linear_node.target, act_node.name), "FusedLinear"))
 
     def _fuse_add(self, act_node, found, add_node) -> None:
         left, right = add_node.args[:2]
-        norm = next(
-            (n for n in (left, right) if n.op == "call_module" and type(self.modules[n.target]) in _FUSED_BN), None
-        )
+        norm = next((n for n in (left, right) if n.op == "call_module" and is_batch_norm(self.modules[n.target])), None)
         wanted = self.strategy.fuse_bn_add_act if norm is not None else self.strategy.fuse_add_act
         if not wanted:
             return

@@ -16,11 +16,9 @@ import copy
 from torch import nn
 
 from tfuse.fusion import activations
+from tfuse.fusion.layers import fused_layer, is_batch_norm, is_linear, unsupported_reason
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
-from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
-
-_FUSED_BN: dict[type, type] = {nn.BatchNorm1d: FusedBatchNormAct1d, nn.BatchNorm2d: FusedBatchNormAct2d}
 
 
 def fuse_sequentials(model: nn.Module, strategy: FusionStrategy, note: str) -> tuple[nn.Module, FusionReport]:
@@ -57,23 +55,15 @@ def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, re
         layer, following = seq._modules[name], seq._modules[next_name]
         where = f"{prefix}.{name}" if prefix else name
         found = activations.of_module(following) if following is not None else None
-        is_norm = type(layer) in _FUSED_BN and strategy.fuse_bn_act
-        fusable = is_norm or (type(layer) is nn.Linear and strategy.fuse_linear_act)
+        fusable = (is_batch_norm(layer) and strategy.fuse_bn_act) or (is_linear(layer) and strategy.fuse_linear_act)
         if found is None or not fusable:
             index += 1
             continue
         if isinstance(found, activations.Unsupported):
-            report.skipped.append(
-                Skipped(where, f"is followed by {found.name}, which has no fused kernel in tfuse yet")
-            )
+            report.skipped.append(Skipped(where, unsupported_reason(found)))
             index += 1
             continue
-        if type(layer) is nn.Linear:
-            fused = FusedLinear.from_linear(layer, act=found.act, negative_slope=found.negative_slope)
-            kind = f"Linear+{found.display}"
-        else:
-            fused = _FUSED_BN[type(layer)].from_batchnorm(layer, act=found.act, negative_slope=found.negative_slope)
-            kind = f"{type(layer).__name__}+{found.display}"
+        fused, kind = fused_layer(layer, found)
         seq._modules[name] = fused
         seq._modules[next_name] = nn.Identity()
         act_where = f"{prefix}.{next_name}" if prefix else next_name
