@@ -17,7 +17,7 @@ from typing import Any
 from . import codes  # noqa: F401
 
 #: Kernel modules, imported on first attribute access.
-_MODULES = ("activations", "add", "add_act", "batch_norm", "cast", "kit", "norm", "optim", "tiles")
+_MODULES = ("activations", "add", "add_act", "batch_norm", "cast", "depthwise", "kit", "norm", "optim", "tiles")
 #: Kernels by name -> their module (``kernels._add_fwd_kernel`` and so on).
 _KERNELS = {
     "_add_fwd_kernel": "add",
@@ -30,6 +30,10 @@ _KERNELS = {
     "_bn_bwd_final_kernel": "batch_norm",
     "_bn_stats_final_kernel": "batch_norm",
     "_bn_stats_partial_kernel": "batch_norm",
+    "_dw_bwd_dw_final_kernel": "depthwise",
+    "_dw_bwd_dw_partial_kernel": "depthwise",
+    "_dw_bwd_dx_kernel": "depthwise",
+    "_dw_fwd_kernel": "depthwise",
     "_clip_segments_kernel": "norm",
     "_norm_final_kernel": "norm",
     "_norm_partial_kernel": "norm",

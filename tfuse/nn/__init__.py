@@ -1,7 +1,7 @@
 """Drop-in ``nn.Module`` wrappers over tfuse's fused ops.
 
 Every layer that subclasses a torch layer (``FusedLinear``,
-``FusedBatchNormAct1d/2d``, ``FusedSyncBatchNormAct``) takes that layer's
+``FusedBatchNormAct1d/2d``, ``FusedSyncBatchNormAct``, ``FusedActDepthwiseConv2d``) takes that layer's
 positional and keyword arguments and, by default, computes what it computes;
 tfuse's own options (``act``, ``negative_slope``) are keyword-only, and the
 activation is identity until you name one. Under ``torch.fx`` every tfuse
@@ -21,9 +21,11 @@ from tfuse.nn.batch_norm import (
     FusedSyncBatchNormAct,
     convert_sync_batchnorm,
 )
+from tfuse.nn.depthwise import FusedActDepthwiseConv2d
 from tfuse.nn.linear import FusedLinear
 
 __all__ = [
+    "FusedActDepthwiseConv2d",
     "FusedAdd",
     "FusedAddAct",
     "FusedBatchNormAct1d",
