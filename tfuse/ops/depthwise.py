@@ -185,11 +185,7 @@ def depthwise_backend(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[in
     backend = select_backend(x.device, _OP)
     if backend is Backend.TRITON and x.device.type == "cuda" and requested_backend() is None:
         key = shape_class(x, kernel, stride)
-        reason = None
-        if kernel[0] * kernel[1] > MAX_TRITON_TAPS:
-            reason = f"a {kernel[0]}x{kernel[1]} kernel has more than {MAX_TRITON_TAPS} taps"
-        elif key in EAGER_SHAPE_CLASSES:
-            reason = "the depthwise benchmark measured the Triton kernel slower than cuDNN for this shape class"
+        reason = eager_reason(key)
         if reason is not None:
             if key not in _announced_classes:
                 _announced_classes.add(key)
@@ -203,6 +199,16 @@ def depthwise_backend(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[in
             return Backend.TORCH
     log_backend_once(_log, _OP, backend, x.device)
     return backend
+
+
+def eager_reason(key: tuple) -> str | None:
+    """Why the shape class ``key`` (:func:`shape_class`) goes to eager activation + cuDNN on CUDA; None: Triton."""
+    kernel = key[0]
+    if kernel[0] * kernel[1] > MAX_TRITON_TAPS:
+        return f"a {kernel[0]}x{kernel[1]} kernel has more than {MAX_TRITON_TAPS} taps"
+    if key in EAGER_SHAPE_CLASSES:
+        return "the depthwise benchmark measured the Triton kernel slower than cuDNN for this shape class"
+    return None
 
 
 _announced_classes: set[tuple] = set()
