@@ -2,7 +2,8 @@
 
 Models written here in the styles of ResNet (basic and bottleneck blocks, a
 reused ReLU module, a downsample computed after the second norm), MobileNetV2
-(ReLU6, which tfuse cannot fuse yet) and a transformer MLP block. Each fused
+(BN + ReLU6, and ReLU6 -> depthwise conv where no norm precedes it),
+EfficientNet (SiLU -> depthwise conv) and a transformer MLP block. Each fused
 model is compared with the original in float64: outputs and gradients, in
 train and eval mode, and state dicts loaded both ways.
 """
@@ -18,7 +19,7 @@ from torch import fx, nn
 
 import tfuse
 from tfuse import FusionStrategy, fuse_model
-from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
+from tfuse.nn import FusedActDepthwiseConv2d, FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
 
 
 class BasicBlock(nn.Module):
@@ -143,14 +144,8 @@ def assert_same_computation(original: nn.Module, fused: nn.Module, shape, train:
         torch.testing.assert_close(buffer, theirs[name], rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("with_shapes", [False, True], ids=["no-shapes", "example-inputs"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_models_compute_what_the_originals_do(case, with_shapes):
-    make, shape = CASES[case]
-    model = double(make())
-    example = torch.randn(shape, dtype=torch.float64) if with_shapes else None
-    fused, report = fuse_model(model, example_inputs=example)
-    assert report.method == "fx" and report.fused
+def assert_fused_like_the_original(model: nn.Module, fused: nn.Module, shape) -> None:
+    """The same computation in train and eval mode, state dicts loading both ways, the original untouched."""
     for train in (True, False):
         assert_same_computation(model, fused, shape, train)
     # Checkpoints load both ways, strictly (same keys, same shapes).
@@ -159,6 +154,17 @@ def test_fused_models_compute_what_the_originals_do(case, with_shapes):
     # The original is untouched: its layers are torch's; the fused model shares its parameters.
     assert not any(type(m).__module__.startswith("tfuse") for m in model.modules())
     assert {id(p) for p in fused.parameters()} == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("with_shapes", [False, True], ids=["no-shapes", "example-inputs"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_models_compute_what_the_originals_do(case, with_shapes):
+    make, shape = CASES[case]
+    model = double(make())
+    example = torch.randn(shape, dtype=torch.float64) if with_shapes else None
+    fused, report = fuse_model(model, example_inputs=example)
+    assert report.method == "fx" and report.fused
+    assert_fused_like_the_original(model, fused, shape)
 
 
 def test_resnet_report_names_every_fusion():
@@ -188,6 +194,8 @@ def test_mobilenet_relu6_and_hardswish_are_fused():
     assert report.counts() == {"BatchNorm2d+ReLU6": 2, "BatchNorm2d+Hardswish": 1}
     assert [fused.get_submodule(f"features.{i}").act for i in (1, 4, 9)] == ["relu6", "relu6", "hardswish"]
     assert type(fused.get_submodule("features.7")) is nn.BatchNorm2d  # a linear bottleneck: no activation
+    # BN -> ReLU6 -> depthwise conv: the batch norm keeps its activation, the convolution stays torch's.
+    assert type(fused.get_submodule("features.3")) is nn.Conv2d
     assert not report.skipped
 
 
@@ -319,3 +327,203 @@ def test_bad_arguments_are_refused():
         fuse_model(nn.Linear(2, 2), {"fuse_bn_act": True})
     with pytest.raises(TypeError, match="FusionStrategy.fuse_bn_act must be a bool, got 1"):
         FusionStrategy(fuse_bn_act=1)
+    with pytest.raises(TypeError, match="FusionStrategy.fuse_relu_depthwise_conv must be a bool, got 'no'"):
+        FusionStrategy(fuse_relu_depthwise_conv="no")
+
+
+# ---------------------------------------------------------------- activation -> depthwise convolution
+
+
+@pytest.fixture
+def torch_path():
+    """The fused depthwise convolution on the PyTorch path (Triton's interpreter is slow; the kernels have
+    their own tests): these tests check the rewrite."""
+    with tfuse.use_backend("torch"):
+        yield
+
+
+def dw(channels: int, kernel: int = 3, **kwargs) -> nn.Conv2d:
+    return nn.Conv2d(channels, channels, kernel, padding=kwargs.pop("padding", kernel // 2), groups=channels, **kwargs)
+
+
+class MobileNetLite(nn.Module):
+    """An inverted residual whose expansion has no norm: pointwise conv -> ReLU6 -> depthwise conv -> BN ->
+    ReLU6 -> pointwise conv, plus the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = nn.Conv2d(4, 8, 1)
+        self.act1 = nn.ReLU6(inplace=True)  # in place on the expansion's output, which nothing else reads
+        self.dw = dw(8, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.act2 = nn.ReLU6(inplace=True)
+        self.project = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return x + self.project(self.act2(self.bn(self.dw(self.act1(self.expand(x))))))
+
+
+class EfficientNetish(nn.Module):
+    """Stem conv -> SiLU -> depthwise 5x5 stride 2 -> squeeze-excitation -> LeakyReLU -> depthwise, dilated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = nn.SiLU()
+        self.dw1 = dw(8, 5, stride=2)
+        self.se_down, self.se_up = nn.Conv2d(8, 2, 1), nn.Conv2d(2, 8, 1)
+        self.dw2 = dw(8, padding=2, dilation=2)
+
+    def forward(self, x):
+        h = self.dw1(self.act(self.stem(x)))
+        scale = torch.sigmoid(self.se_up(F.silu(self.se_down(h.mean((2, 3), keepdim=True)))))  # dense convs
+        return self.dw2(F.leaky_relu(h * scale, 0.25))  # 0.25: exact in float32 (see MLPBlock)
+
+
+class FunctionalDepthwise(nn.Module):
+    """F.relu on the input -> depthwise; an add -> tensor method relu -> depthwise (before tfuse.add_act)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw1 = dw(6)
+        self.dw2 = dw(6, bias=False)
+
+    def forward(self, x):
+        h = self.dw1(F.relu(x))
+        return self.dw2((h + x).relu())
+
+
+DEPTHWISE_CASES = {
+    "mobilenet-lite": (MobileNetLite, (3, 4, 6, 6), {"ReLU6+depthwise Conv2d": 1, "BatchNorm2d+ReLU6": 1}),
+    "efficientnet": (
+        EfficientNetish,
+        (2, 3, 8, 8),
+        {"SiLU+depthwise Conv2d": 1, "LeakyReLU+depthwise Conv2d": 1},
+    ),
+    "functional": (FunctionalDepthwise, (2, 6, 5, 5), {"ReLU+depthwise Conv2d": 2}),
+}
+
+
+@pytest.mark.parametrize("with_shapes", [False, True], ids=["no-shapes", "example-inputs"])
+@pytest.mark.parametrize("case", list(DEPTHWISE_CASES))
+def test_activations_fuse_into_the_depthwise_conv_after_them(case, with_shapes, torch_path):
+    make, shape, counts = DEPTHWISE_CASES[case]
+    model = double(make())
+    example = torch.randn(shape, dtype=torch.float64) if with_shapes else None
+    fused, report = fuse_model(model, example_inputs=example)
+    # The same fusions with or without shapes: the add -> relu of "functional" goes to the convolution.
+    assert report.method == "fx" and report.counts() == counts and not report.skipped
+    convs = [m for m in fused.modules() if isinstance(m, FusedActDepthwiseConv2d)]
+    assert len(convs) == sum(n for kind, n in counts.items() if kind.endswith("depthwise Conv2d"))
+    assert_fused_like_the_original(model, fused, shape)
+
+
+def test_the_depthwise_report_names_the_pair_and_the_modules_keep_their_names(torch_path):
+    model = MobileNetLite()
+    fused, report = fuse_model(model)
+    assert str(report) == "fused 1 ReLU6+depthwise Conv2d, 1 BatchNorm2d+ReLU6 (torch.fx)"
+    assert report.fused[0] == tfuse.fusion.Fused("ReLU6+depthwise Conv2d", ("act1", "dw"), "FusedActDepthwiseConv2d")
+    assert isinstance(fused.dw, FusedActDepthwiseConv2d) and fused.dw.act_in == "relu6" and fused.dw.act_out is None
+    assert fused.dw.weight is model.dw.weight and fused.dw.bias is None
+    # The activation module stays (unused) under its name; the graph no longer calls it.
+    assert fused.act1 is model.act1
+    assert "act1" not in [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    efficient, report = fuse_model(EfficientNetish())
+    assert efficient.dw2.act_in == "leaky_relu" and efficient.dw2.negative_slope == 0.25
+    assert [f.where for f in report.fused] == [("act", "dw1"), ("leaky_relu", "dw2")]
+
+
+def test_bn_relu6_depthwise_keeps_the_batch_norm_fusion_unless_it_is_off(torch_path):
+    model = double(MobileNetish())
+    fused, report = fuse_model(model, FusionStrategy(fuse_bn_act=False))
+    assert report.counts() == {"ReLU6+depthwise Conv2d": 1}  # the depthwise conv takes the ReLU6 after BN
+    assert type(fused.get_submodule("features.1")) is nn.BatchNorm2d
+    assert isinstance(fused.get_submodule("features.3"), FusedActDepthwiseConv2d)
+    assert fused.get_submodule("features.3").act_in == "relu6"
+    assert_fused_like_the_original(model, fused, (2, 3, 6, 6))
+
+
+def test_the_strategy_switch_turns_the_depthwise_fusion_off():
+    off = FusionStrategy(fuse_relu_depthwise_conv=False)
+    fused, report = fuse_model(MobileNetLite(), off)
+    assert report.counts() == {"BatchNorm2d+ReLU6": 1} and not report.skipped
+    assert type(fused.dw) is nn.Conv2d
+    _, report = fuse_model(FunctionalDepthwise(), off, torch.randn(2, 6, 5, 5))
+    assert report.counts() == {"add+ReLU": 1}  # the add -> relu goes to tfuse.add_act instead
+    fused, report = fuse_model(Untraceable(), off)  # the structural path too
+    assert report.method == "structural" and "depthwise" not in str(report)
+
+
+class NotFusable(nn.Module):
+    """Activations before convolutions that cannot take them, each for its own reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = dw(4)
+        self.grouped = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.multiplier = nn.Conv2d(4, 8, 3, padding=1, groups=4)
+        self.reflect = dw(4, padding_mode="reflect")
+        self.twice = dw(4)
+        self.selu = dw(4)
+        self.dense = nn.Conv2d(4, 4, 3, padding=1)
+        self.in_place = dw(4)
+
+    def forward(self, x):
+        h = F.relu(x)
+        y = self.branch(h) + h  # the activation's output is used twice
+        y = self.grouped(F.silu(y)) + self.multiplier(torch.tanh(y))[:, :4] + self.reflect(F.gelu(y))
+        y = self.twice(torch.sigmoid(y)) + self.twice(y) + self.selu(F.selu(y)) + self.dense(F.relu(y))
+        z = y * 2
+        return self.in_place(F.relu(z, inplace=True)) + z  # z must see the in-place relu
+
+
+def test_convolutions_that_cannot_take_the_activation_are_left_alone_and_reported(torch_path):
+    model = double(NotFusable())
+    fused, report = fuse_model(model)
+    assert report.counts() == {}
+    reasons = {s.where: s.reason for s in report.skipped if not s.where.startswith("add")}
+    assert reasons == {
+        "branch": "follows ReLU, whose output is used besides the convolution (by add)",
+        "grouped": "follows SiLU but is a grouped convolution (groups=2 for 4 channels), not a depthwise one",
+        "multiplier": "follows Tanh but has depth multiplier 2 (out_channels=8, in_channels=4); the fused kernel "
+        "needs 1",
+        "reflect": "follows GELU but pads with padding_mode='reflect'; the fused kernel pads with zeros",
+        "twice": "is used 2 times (one module called at several places)",
+        "selu": "follows selu, which has no fused kernel in tfuse yet",
+        "in_place": "follows an in-place ReLU on a tensor that may be read elsewhere (fusing would leave it "
+        "unchanged)",
+    }  # the dense convolution is no candidate: not reported
+    assert not any(isinstance(m, FusedActDepthwiseConv2d) for m in fused.modules())
+    assert "skipped" in str(report) and "branch follows ReLU" in str(report)
+    assert_same_computation(model, fused, (2, 4, 5, 5), train=True)
+
+
+class UntraceableDepthwise(nn.Module):
+    """Data-dependent control flow around Sequential blocks: conv -> ReLU6 -> depthwise; BN -> ReLU6 ->
+    depthwise; an in-place activation first in its container (its input is the caller's tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(4, 8, 1), nn.ReLU6(inplace=True), dw(8), nn.BatchNorm2d(8), nn.ReLU6(inplace=True), dw(8),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Hardswish(inplace=True), dw(8))
+
+    def forward(self, x):
+        h = self.block(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.head(h) + h
+
+
+def test_an_untraceable_forward_fuses_act_depthwise_neighbours(torch_path):
+    model = double(UntraceableDepthwise())
+    fused, report = fuse_model(model)
+    assert report.method == "structural"
+    assert report.counts() == {"ReLU6+depthwise Conv2d": 1, "BatchNorm2d+ReLU6": 1}
+    assert report.fused[0].where == ("block.1", "block.2")
+    assert [s.where for s in report.skipped] == ["head.1"]
+    assert "in-place Hardswish" in report.skipped[0].reason
+    assert isinstance(fused.block[1], nn.Identity) and fused.block[2].act_in == "relu6"
+    assert isinstance(fused.block[3], FusedBatchNormAct2d) and type(fused.block[5]) is nn.Conv2d
+    assert_fused_like_the_original(model, fused, (2, 4, 5, 5))

@@ -33,10 +33,11 @@ def fuse_model(
 
     Patterns (each switch of ``strategy``): BatchNorm1d/2d -> activation;
     BatchNorm -> residual add -> activation; Linear -> activation; add ->
-    activation. Activations: relu, leaky_relu, gelu (both forms), silu,
-    sigmoid, tanh, relu6 (and Hardtanh(0, 6)), hardtanh (-1 to 1),
-    hardswish, hardsigmoid, mish, elu (alpha 1), as modules, functions or
-    tensor methods.
+    activation; activation -> depthwise Conv2d (``FusedActDepthwiseConv2d``,
+    for an activation that no batch norm or Linear before it has taken).
+    Activations: relu, leaky_relu, gelu (both forms), silu, sigmoid, tanh,
+    relu6 (and Hardtanh(0, 6)), hardtanh (-1 to 1), hardswish, hardsigmoid,
+    mish, elu (alpha 1), as modules, functions or tensor methods.
 
     Where the forward traces with ``torch.fx``, the traced computation is
     rewritten (a ``torch.fx.GraphModule`` with the original's module names):

@@ -147,6 +147,19 @@ def of_node(node: fx.Node, modules: dict[str, nn.Module]) -> ActivationCall | Un
     return None
 
 
+def in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether the activation ``node`` may write its result into its input (``nn.ReLU(inplace=True)``,
+    ``F.relu(x, inplace=True)``, ``torch.relu_``, ``x.relu_()``...): removing such a node changes what the
+    input's other holders see."""
+    if node.op == "call_module":
+        return bool(getattr(modules[node.target], "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.target in (torch.relu_, F.relu_):
+        return True
+    return node.kwargs.get("inplace") is True or any(arg is True for arg in node.args[1:])
+
+
 #: Tensor additions a residual or bias add is traced as.
 ADDS = (operator.add, operator.iadd, torch.add)
 

@@ -7,18 +7,27 @@ activation node is looked at together with what it is applied to:
 * an add of a BatchNorm call and another tensor of its shape (shapes from
   ``example_inputs``) -> the fused layer with ``residual=`` the other tensor;
 * an nn.Linear call -> FusedLinear with that activation;
+* otherwise, when the activation's only user is a depthwise nn.Conv2d call
+  -> ``FusedActDepthwiseConv2d`` with that activation as ``act_in`` (a batch
+  norm or Linear fusion keeps its activation: BN -> ReLU6 -> depthwise conv
+  stays BN+ReLU6 then the plain conv, with the same memory and traffic);
 * any other add of two tensors (shapes known) -> ``tfuse.add_act``.
 
 A layer called more than once (a module reused), or one whose output has
 another user besides the activation (a branch), is left as it is and
-reported. The fused layers share the original layers' parameters and
-buffers; the result is a ``torch.fx.GraphModule`` with the original's module
-names, so state dicts load either way.
+reported; so is a grouped convolution after an activation when it is not
+depthwise with depth multiplier 1 and zero padding, or when the activation
+has other users or is in place on a tensor that may be used elsewhere (dense
+convolutions are not candidates, and not reported). The fused layers share
+the original layers' parameters and buffers; the result is a
+``torch.fx.GraphModule`` with the original's module names, so state dicts
+load either way.
 """
 
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Any
 
 import torch
@@ -27,7 +36,18 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from tfuse.functional import add_act
 from tfuse.fusion import activations
-from tfuse.fusion.layers import fused_layer, is_batch_norm, is_linear, unsupported_reason
+from tfuse.fusion.layers import (
+    depthwise_mismatch,
+    fused_depthwise,
+    fused_layer,
+    in_place_reason,
+    is_batch_norm,
+    is_grouped_conv,
+    is_linear,
+    makes_new_tensor,
+    unsupported_before_reason,
+    unsupported_reason,
+)
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
 
@@ -112,15 +132,30 @@ class _Rewriter:
                 layer = self._layer_name(source)
                 if layer is not None:
                     self._skip(layer, unsupported_reason(found))
+                self._fuse_depthwise(node, found)  # reports a depthwise convolution after it
                 continue
-            if source.op == "call_module" and is_batch_norm(self.modules[source.target]):
-                if self.strategy.fuse_bn_act:
-                    self._fuse_bn(node, found, source, residual=None)
-            elif source.op == "call_module" and is_linear(self.modules[source.target]):
-                if self.strategy.fuse_linear_act:
-                    self._fuse_linear(node, found, source)
-            elif _is_tensor_add(source):
+            # Precedence: the layer before the activation (batch norm, Linear) keeps it; then a depthwise
+            # convolution after it; then a plain add before it.
+            if self._fuse_before(node, found, source) or self._fuse_depthwise(node, found):
+                continue
+            if _is_tensor_add(source) and self._add_norm(source) is None:
                 self._fuse_add(node, found, source)
+
+    def _fuse_before(self, node: fx.Node, found: activations.ActivationCall, source: fx.Node) -> bool:
+        """The activation fused into the batch norm or Linear it follows (also through a residual add)."""
+        if source.op == "call_module" and is_batch_norm(self.modules[source.target]):
+            return self.strategy.fuse_bn_act and self._fuse_bn(node, found, source, residual=None)
+        if source.op == "call_module" and is_linear(self.modules[source.target]):
+            return self.strategy.fuse_linear_act and self._fuse_linear(node, found, source)
+        if _is_tensor_add(source) and self._add_norm(source) is not None:
+            return self._fuse_add(node, found, source)
+        return False
+
+    def _add_norm(self, add_node: fx.Node) -> fx.Node | None:
+        """The operand of ``add_node`` that is a batch norm call, if any."""
+        return next(
+            (n for n in add_node.args[:2] if n.op == "call_module" and is_batch_norm(self.modules[n.target])), None
+        )
 
     # ------------------------------------------------------------------ checks
 
@@ -177,39 +212,93 @@ class _Rewriter:
         self.report.fused.append(Fused(kind, tuple(where), type(fused).__name__, residual is not None))
         return True
 
-    def _fuse_linear(self, act_node, found, linear_node) -> None:
+    def _fuse_linear(self, act_node, found, linear_node) -> bool:
         if not self._callable_once(linear_node) or not self._only_user(linear_node, act_node, linear_node.target):
-            return
+            return False
         fused, kind = fused_layer(self.modules[linear_node.target], found)
         self._replace_module(linear_node.target, fused)
         self._drop(act_node, linear_node)
         self.report.fused.append(Fused(kind, (linear_node.target, act_node.name), "FusedLinear"))
+        return True
 
-    def _fuse_add(self, act_node, found, add_node) -> None:
+    def _fuse_depthwise(self, act_node: fx.Node, found) -> bool:
+        """The activation fused into the depthwise convolution that is its only user (``act_in``); a grouped
+        convolution after it that cannot take it is reported."""
+        if not self.strategy.fuse_relu_depthwise_conv:
+            return False
+        convs = [
+            user
+            for user in act_node.users
+            if user.op == "call_module"
+            and is_grouped_conv(self.modules[user.target])
+            and user.args == (act_node,)
+            and not user.kwargs
+        ]
+        if not convs:
+            return False
+        shown = found.name if isinstance(found, activations.Unsupported) else found.display
+        candidates = []
+        for conv_node in convs:
+            reason = depthwise_mismatch(self.modules[conv_node.target], shown)
+            if reason is not None:
+                self._skip(conv_node.target, reason)
+            elif isinstance(found, activations.Unsupported):
+                self._skip(conv_node.target, unsupported_before_reason(found))
+            elif self._callable_once(conv_node):
+                candidates.append(conv_node)
+        if not candidates:
+            return False
+        if len(act_node.users) > 1:  # a branch: the activation's output is needed anyway
+            for conv_node in candidates:
+                others = ", ".join(u.name for u in act_node.users if u is not conv_node)
+                self._skip(
+                    conv_node.target, f"follows {shown}, whose output is used besides the convolution (by {others})"
+                )
+            return False
+        conv_node = candidates[0]
+        source = act_node.args[0]
+        if activations.in_place(act_node, self.modules) and not self._new_single_use(source):
+            self._skip(conv_node.target, in_place_reason(shown))
+            return False
+        fused, kind = fused_depthwise(self.modules[conv_node.target], found)
+        self._replace_module(conv_node.target, fused)
+        conv_node.args = (source,)
+        self.gm.graph.erase_node(act_node)
+        self.report.fused.append(Fused(kind, (act_node.name, conv_node.target), type(fused).__name__))
+        return True
+
+    def _new_single_use(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a new tensor (a layer's output or an out-of-place add) used only once."""
+        if not isinstance(node, fx.Node) or len(node.users) != 1:
+            return False
+        if node.op == "call_module":
+            return makes_new_tensor(self.modules[node.target])
+        return _is_tensor_add(node) and node.target is not operator.iadd
+
+    def _fuse_add(self, act_node, found, add_node) -> bool:
         left, right = add_node.args[:2]
-        norm = next((n for n in (left, right) if n.op == "call_module" and is_batch_norm(self.modules[n.target])), None)
+        norm = self._add_norm(add_node)
         wanted = self.strategy.fuse_bn_add_act if norm is not None else self.strategy.fuse_add_act
         if not wanted:
-            return
+            return False
         where = norm.target if norm is not None else add_node.name
         if self.shapes is None:
             self._skip(where, "is followed by an add and an activation: fusing them needs example_inputs (shapes)")
-            return
+            return False
         if len(add_node.users) != 1:
             self._skip(where, "has its add's result used besides the activation")
-            return
+            return False
         out_shape = self.shapes.get(add_node)
         if norm is not None:
             other = right if norm is left else left
             if self.shapes.get(norm) != out_shape or self.shapes.get(other) != out_shape:
                 self._skip(where, "is added to a tensor of another shape (a broadcast, not a residual)")
-                return
-            self._fuse_bn(act_node, found, norm, residual=other, add_node=add_node)
-            return
+                return False
+            return self._fuse_bn(act_node, found, norm, residual=other, add_node=add_node)
         full = next((n for n in (left, right) if self.shapes.get(n) == out_shape), None)
         if full is None:
             self._skip(where, "adds two tensors, neither of the result's shape")
-            return
+            return False
         other = right if full is left else left
         with self.gm.graph.inserting_before(act_node):
             kwargs = {"act": found.act}
@@ -219,6 +308,7 @@ class _Rewriter:
         self._drop(act_node, fused)
         self.gm.graph.erase_node(add_node)
         self.report.fused.append(Fused(f"add+{found.display}", (add_node.name, act_node.name), "tfuse.add_act"))
+        return True
 
 
 def _is_tensor_add(node: fx.Node) -> bool:

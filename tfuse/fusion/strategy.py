@@ -11,8 +11,8 @@ class FusionStrategy:
 
     The names follow PaddlePaddle's BuildStrategy and DistributedStrategy
     (``fuse_bn_act_ops``, ``fuse_bn_add_act_ops``, ``fuse_elewise_add_act_ops``,
-    ``fuse_all_optimizer_ops``, ``fuse_all_reduce_ops``, ``fuse_grad_size_in_MB``,
-    gradient merge, sharding, LocalSGD) in PyTorch terms.
+    ``fuse_relu_depthwise_conv``, ``fuse_all_optimizer_ops``, ``fuse_all_reduce_ops``,
+    ``fuse_grad_size_in_MB``, gradient merge, sharding, LocalSGD) in PyTorch terms.
 
     Example:
         >>> import tfuse
@@ -34,6 +34,12 @@ class FusionStrategy:
     fuse_add_act: bool = True
     """A tensor add followed by an activation (a bias or residual add) -> ``tfuse.add_act``. Needs
     ``example_inputs`` (which operand has the result's shape decides the call)."""
+
+    fuse_relu_depthwise_conv: bool = True
+    """An activation whose only user is a depthwise nn.Conv2d (groups = in_channels = out_channels, zero
+    padding) -> ``FusedActDepthwiseConv2d`` with it as ``act_in`` (applied as the convolution reads its input,
+    recomputed in backward: its output is never stored). Any tfuse activation, not only ReLU. A batch norm or
+    Linear fusion keeps its activation (BN -> ReLU6 -> depthwise conv stays BN+ReLU6, then the conv)."""
 
     fuse_all_optimizer_ops: bool = True
     """:func:`tfuse.setup`: a tfuse fused optimizer (one update launch per flat buffer) rather than torch.optim's."""
@@ -65,8 +71,8 @@ class FusionStrategy:
     local_sgd_warmup: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("fuse_bn_act", "fuse_bn_add_act", "fuse_linear_act", "fuse_add_act", "fuse_all_optimizer_ops",
-                     "fuse_all_reduce_ops", "gradient_merge_avg"):  # fmt: skip
+        for name in ("fuse_bn_act", "fuse_bn_add_act", "fuse_linear_act", "fuse_add_act", "fuse_relu_depthwise_conv",
+                     "fuse_all_optimizer_ops", "fuse_all_reduce_ops", "gradient_merge_avg"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionStrategy.{name} must be a bool, got {value!r}")

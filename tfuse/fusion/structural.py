@@ -5,8 +5,13 @@ Linear child followed by an activation child computes act(layer(x)) whatever
 the surrounding forward does (assuming it calls the container, not its
 children one by one). That pair becomes the fused layer and an
 ``nn.Identity`` in the activation's slot, so indices and state-dict keys stay.
-Nothing else is touched. The containers on the way are copied, the layers
-and parameters are shared: the original model is left as it was.
+Likewise an activation child followed by a depthwise nn.Conv2d child (not
+taken by a batch norm or Linear before it) becomes an ``nn.Identity`` and a
+``FusedActDepthwiseConv2d``; an in-place activation only when the child
+before it is a layer with an output of its own (a convolution, Linear or
+norm), since the container's input may be the caller's tensor. Nothing else
+is touched. The containers on the way are copied, the layers and parameters
+are shared: the original model is left as it was.
 """
 
 from __future__ import annotations
@@ -16,7 +21,18 @@ import copy
 from torch import nn
 
 from tfuse.fusion import activations
-from tfuse.fusion.layers import fused_layer, is_batch_norm, is_linear, unsupported_reason
+from tfuse.fusion.layers import (
+    depthwise_mismatch,
+    fused_depthwise,
+    fused_layer,
+    in_place_reason,
+    is_batch_norm,
+    is_grouped_conv,
+    is_linear,
+    makes_new_tensor,
+    unsupported_before_reason,
+    unsupported_reason,
+)
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
 
@@ -57,7 +73,10 @@ def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, re
         found = activations.of_module(following) if following is not None else None
         fusable = (is_batch_norm(layer) and strategy.fuse_bn_act) or (is_linear(layer) and strategy.fuse_linear_act)
         if found is None or not fusable:
-            index += 1
+            if strategy.fuse_relu_depthwise_conv and _fuse_depthwise(seq, prefix, index, report):
+                index += 2
+            else:
+                index += 1
             continue
         if isinstance(found, activations.Unsupported):
             report.skipped.append(Skipped(where, unsupported_reason(found)))
@@ -69,3 +88,30 @@ def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, re
         act_where = f"{prefix}.{next_name}" if prefix else next_name
         report.fused.append(Fused(kind, (where, act_where), type(fused).__name__))
         index += 2
+
+
+def _fuse_depthwise(seq: nn.Sequential, prefix: str, index: int, report: FusionReport) -> bool:
+    """Children ``index`` and ``index + 1``, an activation and a depthwise convolution, fused (the activation
+    as the convolution's ``act_in``); a grouped convolution after an activation that cannot take it is
+    reported."""
+    names = list(seq._modules)
+    act, conv = seq._modules[names[index]], seq._modules[names[index + 1]]
+    found = activations.of_module(act) if act is not None else None
+    if found is None or conv is None or not is_grouped_conv(conv):
+        return False
+    act_where, where = (f"{prefix}.{name}" if prefix else name for name in names[index : index + 2])
+    shown = found.name if isinstance(found, activations.Unsupported) else found.display
+    reason = depthwise_mismatch(conv, shown)
+    if reason is None and isinstance(found, activations.Unsupported):
+        reason = unsupported_before_reason(found)
+    before = seq._modules[names[index - 1]] if index > 0 else None
+    if reason is None and getattr(act, "inplace", False) and (before is None or not makes_new_tensor(before)):
+        reason = in_place_reason(shown)
+    if reason is not None:
+        report.skipped.append(Skipped(where, reason))
+        return False
+    fused, kind = fused_depthwise(conv, found)
+    seq._modules[names[index]] = nn.Identity()
+    seq._modules[names[index + 1]] = fused
+    report.fused.append(Fused(kind, (act_where, where), type(fused).__name__))
+    return True
