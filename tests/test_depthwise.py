@@ -309,6 +309,44 @@ def test_backward_keeps_x_and_weight_only(backend, device, act_out, extra):
     assert expected <= storages and len(storages) == 3 + extra
 
 
+def activation_bytes_kept(fn, x: torch.Tensor, parameters) -> int:
+    """Bytes of the distinct storages autograd keeps for backward, parameters left out."""
+    kept: dict[int, int] = {}
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("act, eager_tensors", [("relu", 1), ("sigmoid", 1), ("relu6", 2), ("silu", 2),
+                                                ("hardswish", 2)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_memory_kept_against_the_eager_pair(device, act, eager_tensors, inplace):
+    """What the README states: the fused pair keeps one activation tensor (its input); the eager pair keeps
+    act(x) for the convolution, and x too where the activation's backward reads its input, in place or not."""
+    pointwise = nn.Conv2d(4, 4, 1, device=device)  # makes x a fresh tensor an in-place activation may overwrite
+    depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4, device=device)
+    fused = FusedActDepthwiseConv2d.from_conv(depthwise, act_in=act)
+    module = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "relu6": nn.ReLU6, "silu": nn.SiLU, "hardswish": nn.Hardswish}
+    activation = module[act]() if act == "sigmoid" else module[act](inplace=inplace)
+    parameters = [*pointwise.parameters(), *depthwise.parameters()]
+    x = torch.randn(2, 4, 8, 8, device=device, requires_grad=True)
+    one = 2 * 4 * 8 * 8 * 4  # bytes of one float32 activation tensor
+    base = activation_bytes_kept(lambda x: pointwise(x), x, parameters)  # the pointwise conv keeps x itself
+    with tfuse.use_backend("torch"):
+        fused_kept = activation_bytes_kept(lambda x: fused(pointwise(x)), x, parameters) - base
+    eager_kept = activation_bytes_kept(lambda x: depthwise(activation(pointwise(x))), x, parameters) - base
+    assert fused_kept == one
+    assert eager_kept == eager_tensors * one
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
