@@ -80,8 +80,8 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_TANH_C = tl.constexpr(0.044715)
 _GELU_TANH_K0 = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): a = 2u = z (K0 + K1 z^2)
-_GELU_TANH_K1 = tl.constexpr(0.07135481627159177)  # 2 sqrt(2/pi) 0.044715
-_GELU_TANH_K1x3 = tl.constexpr(0.2140644488147753)  # da/dz = K0 + 3 K1 z^2
+_GELU_TANH_K1 = tl.constexpr(0.07135481627260025)  # 2 sqrt(2/pi) 0.044715
+_GELU_TANH_K1x3 = tl.constexpr(0.21406444881780076)  # da/dz = K0 + 3 K1 z^2
 _EXP_ARG_MAX = tl.constexpr(80.0)  # exp(80) is finite in float32, and 1 / (1 + exp(80)) still normal
 _INF = tl.constexpr(float("inf"))
 

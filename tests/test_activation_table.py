@@ -9,6 +9,8 @@ float64, references written here independently of the table.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,3 +229,30 @@ def test_kernel_code_computes_the_member_in_float64(member, device):
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-12)
     (expected_dz,) = torch.autograd.grad(reference(member.label, 0.2)(z), z, torch.ones_like(y))
     torch.testing.assert_close(dz, expected_dz, rtol=1e-6, atol=1e-12)
+
+
+def test_kernel_constants_are_their_definitions():
+    # A constant typed in by hand was once off in its 11th digit (gelu_tanh's K1: 2e-10 relative error in
+    # float64 at z = -6); each is now pinned to the expression it stands for.
+    k = kernels.activations
+    k0 = 2 * math.sqrt(2 / math.pi)
+    assert k._SQRT_HALF.value == math.sqrt(0.5)
+    assert k._INV_SQRT_2PI.value == 1 / math.sqrt(2 * math.pi)
+    assert k._SQRT_2_OVER_PI.value == math.sqrt(2 / math.pi)
+    assert k._GELU_TANH_K0.value == k0
+    assert k._GELU_TANH_K1.value == k0 * k._GELU_TANH_C.value
+    assert k._GELU_TANH_K1x3.value == 3 * k0 * k._GELU_TANH_C.value
+
+
+def test_gelu_tanh_kernel_is_float64_accurate(device):
+    z = torch.linspace(-8, 8, 257, dtype=torch.float64, device=device).requires_grad_()
+    with tfuse.use_backend("triton"):
+        y = tfuse.add_act(z, act="gelu_tanh")
+        (dz,) = torch.autograd.grad(y, z, torch.ones_like(y))
+    exact = z.detach().clone().requires_grad_()
+    ref = exact * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (exact + 0.044715 * exact**3))  # = torch's formula
+    (ref_dz,) = torch.autograd.grad(ref, exact, torch.ones_like(ref))
+    # exp(-a) turns the rounding of a = 2u (|a| up to 40 here) into a relative error of |a| ulps, in both.
+    torch.testing.assert_close(y, ref.detach(), rtol=2 * 48 * 2**-53, atol=0)
+    # The derivative s + z a' s (1 - s) is a sum of O(1) terms that cancel near its zero (z ~ -0.75).
+    torch.testing.assert_close(dz, ref_dz, rtol=2 * 48 * 2**-53, atol=64 * 2**-53)
