@@ -441,6 +441,15 @@ def test_module_copies_save_and_meta_init(device):
     torch.testing.assert_close(meta(x), F.conv2d(F.relu(x), layer.weight, layer.bias, padding=1, groups=4))
 
 
+def test_meta_tensors_give_shapes_without_data():
+    layer = FusedActDepthwiseConv2d(8, 8, 3, stride=2, padding=1, device="meta")
+    x = torch.empty(2, 8, 15, 15, device="meta", requires_grad=True)
+    y = layer(x)
+    assert y.device.type == "meta" and y.shape == (2, 8, 8, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
+
+
 MODULE_ERRORS = [
     (lambda: FusedActDepthwiseConv2d(4, 8, 3), "depth multiplier"),
     (lambda: FusedActDepthwiseConv2d(4, 4, 3, groups=2), "groups"),

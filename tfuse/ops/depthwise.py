@@ -142,21 +142,35 @@ def relu_depthwise_conv2d(
     padding_pair = _padding(padding, kernel, stride_pair, dilation_pair)
     if unbatched:
         x = x.unsqueeze(0)
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
+    autocast = autocast_dtype(x.device.type)
+    if autocast is not None:
         # conv2d is on autocast's lower-precision list: compute in the autocast dtype, as F.conv2d does.
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+        x, weight = x.to(autocast), weight.to(autocast)
+        bias = bias.to(autocast) if bias is not None else None
     _check_output_size(x, kernel, stride_pair, padding_pair, dilation_pair)
     if compiling():
         y = _composite(x, weight, bias, stride_pair, padding_pair, dilation_pair, act_in_member, act_out_member, slope)
         return y.squeeze(0) if unbatched else y
     backend = depthwise_backend(x, kernel, stride_pair)
     spec = ConvSpec(stride_pair, padding_pair, dilation_pair, act_in_member, act_out_member, slope, backend)
-    with torch.autocast(x.device.type, enabled=False):
+    if autocast is None:
         y = _ActDepthwiseConvFunction.apply(spec, x, weight, bias)
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            y = _ActDepthwiseConvFunction.apply(spec, x, weight, bias)
     return y.squeeze(0) if unbatched else y
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype torch.autocast computes conv2d in on ``device_type``; None when autocast is off there.
+
+    Devices autocast does not know (``meta``) have no autocast: torch raises when asked about them.
+    """
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def shape_class(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int]) -> tuple:
@@ -265,7 +279,7 @@ def _check_tensors(x: object, weight: object, bias: object) -> bool:
             f"{names[0]} and {names[1]}!"
         )
     dtypes = {name: t.dtype for name, t in tensors.items()}
-    if len(set(dtypes.values())) > 1 and not torch.is_autocast_enabled(x.device.type):
+    if len(set(dtypes.values())) > 1 and autocast_dtype(x.device.type) is None:
         listed = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
         raise TypeError(f"tfuse.{_OP}: x, weight and bias must have one dtype (as F.conv2d), got {listed}")
     return x.dim() == 3
