@@ -211,6 +211,20 @@ def test_without_bias_and_partial_gradients(backend, device):
     torch.testing.assert_close(dw.double(), ref[1])
 
 
+def test_strided_weight_and_expanded_output_gradient(backend, device):
+    """model.to(memory_format=torch.channels_last) makes the weight [C, 1, kH, kW] channels_last, and
+    y.sum().backward() hands backward a stride-0 gradient: both are read through their strides."""
+    x, weight, bias = make_case((2, 5, 7, 6), (3, 3), torch.float64, device, "channels_last")
+    weight = weight.contiguous(memory_format=torch.channels_last).requires_grad_()
+    xg = x.detach().requires_grad_()
+    relu_depthwise_conv2d(xg, weight, bias, padding=1).sum().backward()
+    x64, w64 = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    F.conv2d(F.relu(x64), w64, bias, padding=1, groups=5).sum().backward()
+    torch.testing.assert_close(xg.grad, x64.grad)
+    torch.testing.assert_close(weight.grad, w64.grad)
+    assert weight.grad.stride() == weight.stride()
+
+
 def test_unbatched_and_empty_inputs(backend, device):
     x, weight, bias = make_case((1, 4, 6, 6), (3, 3), torch.float64, device)
     y = relu_depthwise_conv2d(x[0], weight, bias, padding=1)
