@@ -82,6 +82,7 @@ import tfuse._launch as launch_mod  # noqa: E402
 import tfuse.ops.add as add_op  # noqa: E402
 import tfuse.ops.add_act as add_act_op  # noqa: E402
 import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
+import tfuse.ops.depthwise as depthwise_op  # noqa: E402
 import tfuse.optim._flat_optimizer as flat_optimizer  # noqa: E402
 import tfuse.optim._update as optim_update  # noqa: E402
 import tfuse.optim.adam as adam_op  # noqa: E402
@@ -186,7 +187,9 @@ class Capture:
             self.current = previous
 
 
-_LAUNCHING_MODULES = (add_op, add_act_op, batch_norm_op, clip_op, adam_op, sgd_op, flat_optimizer, optim_update)
+_LAUNCHING_MODULES = (
+    add_op, add_act_op, batch_norm_op, depthwise_op, clip_op, adam_op, sgd_op, flat_optimizer, optim_update,
+)
 
 
 @contextlib.contextmanager
@@ -839,6 +842,40 @@ def add_act_case(act: str, x_shape: tuple[int, ...], bias_shape: tuple[int, ...]
     )
 
 
+def depthwise_case(n: int, c: int, hw: int, kernel: int, stride: int, channels_last: bool, dtype: torch.dtype,
+                   act: str = "relu6") -> Case:
+    """relu_depthwise_conv2d(act_in=act, no bias, padding k // 2) forward, then backward into x and the weight.
+
+    The Triton path is forced: on CUDA (``--validate-cuda``) the dispatch rule could send a class of
+    ``EAGER_SHAPE_CLASSES`` to cuDNN.
+    """
+    out = (hw + 2 * (kernel // 2) - kernel) // stride + 1
+    x_numel, y_numel, k_numel, e = n * c * hw * hw, n * c * out * out, c * kernel * kernel, _esize(dtype)
+
+    def run(capture: Capture) -> None:
+        x = case_empty(n, c, hw, hw, dtype=dtype, channels_last=channels_last, requires_grad=True)
+        weight = case_empty(c, 1, kernel, kernel, dtype=dtype, requires_grad=True)
+        with tfuse.use_backend("triton"):
+            with capture.phase("fwd"):
+                y = tfuse.functional.relu_depthwise_conv2d(x, weight, stride=stride, padding=kernel // 2, act_in=act)
+            with capture.phase("bwd"):
+                y.backward(torch.empty_like(y))
+
+    layout = "CL" if channels_last else "NCHW"
+    return Case(
+        name=f"dw_{c}x{hw}x{hw}_k{kernel}s{stride}_{layout.lower()}_{_dtype_name(dtype)}", family="depthwise conv",
+        title=f"relu_depthwise_conv2d({act}), {n}x{c}x{hw}x{hw} {layout} {_dtype_name(dtype)}, {kernel}x{kernel} "
+              f"stride {stride}, forward and backward (dx, dw)",
+        run=run,
+        # Streams are the tensors as large as the output (x, y, gy, dx); the weight and dw/db partials are not.
+        phases=(
+            Phase("fwd", y_numel, (x_numel + y_numel + k_numel) * e, "x and w once, y"),
+            Phase("bwd", y_numel, (2 * x_numel + y_numel + 2 * k_numel) * e,
+                  "gy, x once (act(x) for dw, act'(x) for dx), dx, w, dw"),
+        ),
+    )
+
+
 def _model_shapes(model: str) -> list[tuple[int, ...]]:
     from benchmarks.optim import gpt2_small_shapes, resnet50_shapes
 
@@ -915,6 +952,17 @@ def cases() -> list[Case]:
         for channels_last in (False, True):
             for dtype in (torch.float32, torch.bfloat16):
                 out.append(bn_case(256, c, hw, channels_last, dtype))
+    # MobileNetV2's 3x3 depthwise convolutions (relu6) at batch 128: 144 channels at 56x56 (stride 1), 192 at
+    # 28x28 (stride 2), 384 at 14x14 (stride 1); and EfficientNet-B0's 5x5 ones (silu): 240 channels at 28x28
+    # (stride 1), 144 at 56x56 (stride 2).
+    for c, hw, stride in ((144, 56, 1), (192, 28, 2), (384, 14, 1)):
+        for channels_last in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                out.append(depthwise_case(128, c, hw, 3, stride, channels_last, dtype))
+    out.append(depthwise_case(128, 240, 28, 5, 1, True, torch.bfloat16, act="silu"))
+    out.append(depthwise_case(128, 144, 56, 5, 2, True, torch.bfloat16, act="silu"))
+    out.append(depthwise_case(128, 144, 56, 5, 2, False, torch.bfloat16, act="silu"))
+    out.append(depthwise_case(128, 144, 56, 5, 2, True, torch.float32, act="silu"))
     for model in ("resnet50", "gpt2"):
         for algorithm in ("adam", "sgd_momentum"):
             out.append(optim_case("adam" if algorithm == "adam" else "sgd_momentum", model, torch.float32, False))
@@ -928,7 +976,7 @@ def cases() -> list[Case]:
 
 
 def _tile_elements(meta: dict) -> int | None:
-    for rows, cols in (("BLOCK_ROWS", "BLOCK_COLS"), ("BLOCK_R", "BLOCK_C")):
+    for rows, cols in (("BLOCK_ROWS", "BLOCK_COLS"), ("BLOCK_R", "BLOCK_C"), ("BLOCK_P", "BLOCK_C")):
         if rows in meta and cols in meta:
             return meta[rows] * meta[cols]
     return meta.get("BLOCK")

@@ -81,6 +81,23 @@ def bn_case(shape, dtype, act, residual, training=True, channels_last=False) -> 
     return run
 
 
+def depthwise_case(shape, kernel, dtype, act_in, act_out=None, bias=False, stride=1, dilation=1,
+                   channels_last=False) -> Callable[[], None]:
+    """Forward and backward of relu_depthwise_conv2d (x, weight and bias requiring grad), padding k // 2."""
+    def run():
+        x = torch.zeros(shape, dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        x.requires_grad_()
+        weight = torch.zeros(shape[1], 1, *kernel, dtype=dtype, requires_grad=True)
+        b = torch.zeros(shape[1], dtype=dtype, requires_grad=True) if bias else None
+        padding = (kernel[0] // 2, kernel[1] // 2)
+        y = tfuse.functional.relu_depthwise_conv2d(x, weight, b, stride=stride, padding=padding, dilation=dilation,
+                                                   act_in=act_in, act_out=act_out)
+        y.backward(torch.zeros_like(y))
+    return run
+
+
 def clip_case(norm_type, dtype) -> Callable[[], None]:
     """clip_grad_norm_ over a FlatParams of a small MLP (every parameter has a gradient)."""
     def run():
@@ -126,6 +143,13 @@ CASES = {
     "bn_gelu_channels_last_fp16": bn_case((32, 64, 56, 56), torch.float16, "gelu", residual=False, channels_last=True),
     "bn_silu_eval_fp32": bn_case((8, 256, 14, 14), torch.float32, "silu", residual=True, training=False),
     "bn_tanh_fp64": bn_case((4, 16, 8, 8), torch.float64, "tanh", residual=False),
+    "dw_relu6_bias_nchw_bf16": depthwise_case((8, 32, 28, 28), (3, 3), torch.bfloat16, "relu6", bias=True),
+    "dw_silu_k5s2_channels_last_fp16": depthwise_case((8, 64, 14, 14), (5, 5), torch.float16, "silu", stride=2,
+                                                      channels_last=True),
+    "dw_gelu_out_relu_dilated_fp32": depthwise_case((4, 16, 20, 20), (3, 3), torch.float32, "gelu", act_out="relu",
+                                                    bias=True, dilation=2),
+    "dw_leaky_out_silu_3x5_fp64": depthwise_case((2, 8, 9, 9), (3, 5), torch.float64, "leaky_relu", act_out="silu",
+                                                 stride=(2, 1)),
     "clip_l2_fp32": clip_case(2.0, torch.float32),
     "clip_inf_bf16": clip_case("inf", torch.bfloat16),
     "clip_p3_fp16": clip_case(3.0, torch.float16),

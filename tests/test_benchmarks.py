@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "optim", "allreduce", "sharded", "localsgd", "compile"]
+ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -289,6 +289,28 @@ def test_plots_wrap_panels_into_a_grid_with_error_bars(tmp_path):
     assert "tfuse" in labels and "tfuse: implausible, not a result" in labels
 
 
+def test_depthwise_class_verdicts_on_injected_rows():
+    """The GPU run's per-shape-class verdict: a class goes to EAGER_SHAPE_CLASSES only when the Triton kernels
+    lost to eager in every row of it, with no marked number."""
+    from benchmarks import depthwise
+
+    h = _harness()
+
+    def row(key, ratio, flag=None, path="triton"):
+        flags = {"triton_vs_eager": h.Flag("noisy", "test")} if flag else {}
+        return dict(passes="forward+backward", shape_class=key, path=path, layer=f"layer {ratio}",
+                    triton_vs_eager=ratio, flags=flags)
+
+    slow, mixed, fast, noisy = (((3, 3), (s, s), True, torch.bfloat16, 4096) for s in (1, 2, 3, 4))
+    rows = [row(slow, 0.8), row(slow, 0.9), row(mixed, 0.9), row(mixed, 1.2), row(fast, 1.5), row(noisy, 0.5, True),
+            dict(row(slow, 0.1), passes="forward")]
+    verdicts = {key: (path, verdict) for key, path, verdict in depthwise.class_verdicts(rows)}
+    assert verdicts[slow][1].endswith("belongs in EAGER_SHAPE_CLASSES") and "0.80x" in verdicts[slow][1]
+    assert "0.10x" not in verdicts[slow][1]  # forward-only rows do not decide
+    assert verdicts[mixed][1].startswith("mixed") and verdicts[fast][1].startswith("Triton faster")
+    assert verdicts[noisy][1].startswith("not decided") and verdicts[slow][0] == "triton"
+
+
 def test_a_plain_run_does_not_write_over_the_committed_tables():
     from benchmarks.__main__ import _parse, default_out_dir
     from benchmarks.harness import RESULTS_DIR
@@ -382,6 +404,32 @@ def test_bn_act_benchmark(quick_run):
     _time_cells(rows, "eager ms", "compile ms")
     if "(CPU)" in table:
         assert "train forward 3, train backward 3, eval forward 1" in table
+
+
+def test_depthwise_benchmark(quick_run):
+    table, rows = _table(quick_run, "depthwise")
+    assert {(row["act"], row["layout"], row["passes"]) for row in rows} == {
+        (act, layout, passes) for act, layout in (("relu", "NCHW"), ("silu", "channels_last"))
+        for passes in ("forward", "forward+backward")}
+    # One launch forward; backward: dx, then dw in two stages (no bias).
+    assert {row["passes"]: row["launches"] for row in rows} == {"forward": "1", "forward+backward": "1 + 3"}
+    # Minimum bytes, float32: forward (X + K + Y) 4, with backward (3X + 2Y + 3K) 4.
+    x, k = 2 * 16 * 14 * 14, 16 * 9
+    relu_forward = next(row for row in rows if row["act"] == "relu" and row["passes"] == "forward")
+    assert relu_forward["MB moved"] == f"{(2 * x + k) * 4 / 1e6:.2f}"
+    training = {row["act"]: row for row in rows if row["passes"] == "forward+backward"}
+    kept = {act: {key: float(row[f"{key} MB"]) for key in ("x", "tfuse kept", "eager kept", "eager in-place kept")}
+            for act, row in training.items()}
+    # tfuse keeps x alone. Eager relu keeps its output (which the convolution keeps too): the same bytes;
+    # silu keeps its input and the convolution its output, in place as well (autograd clones the input).
+    assert kept["relu"]["x"] == pytest.approx(x * 4 / 1e6, rel=1e-3)
+    relu, silu = kept["relu"], kept["silu"]
+    assert relu["tfuse kept"] == relu["eager kept"] == relu["eager in-place kept"] == relu["x"]
+    assert silu["tfuse kept"] == silu["x"]
+    assert silu["eager kept"] == silu["eager in-place kept"] == pytest.approx(2 * silu["x"], rel=1e-3)
+    _time_cells(rows, next(h for h in rows[0] if h.endswith(" ms") and h.startswith("tfuse")), "eager ms", "compile ms")
+    if "(CPU)" in table:
+        assert "tfuse's PyTorch path" in table and "1x8x10x10 input" in table
 
 
 def test_optim_benchmark(quick_run):

@@ -72,6 +72,7 @@ def test_every_kernel_compiles(compiled):
         "_bn_stats_partial_kernel", "_bn_stats_final_kernel", "_bn_act_fwd_kernel",
         "_bn_act_bwd_reduce_kernel", "_bn_bwd_final_kernel", "_bn_act_bwd_dx_kernel",
         "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel", "_adam_kernel", "_sgd_kernel",
+        "_dw_fwd_kernel", "_dw_bwd_dx_kernel", "_dw_bwd_dw_partial_kernel", "_dw_bwd_dw_final_kernel",
     }
 
 
@@ -125,14 +126,44 @@ def test_adam_with_eps_zero_keeps_exact_run_ends(compiled):
 
 # --------------------------------------------------------------------------- the roofline's own readings
 
+#: (case, kernel) launches that spill with the kernels of commit 574db3c, reported to the kernels' owner: the
+#: depthwise stencils unroll every tap over a 1024-element tile on 4 warps (8 outputs per thread, all taps'
+#: loads in flight), which for 5x5 kernels with silu, 5x5 stride 2, and dx with an act_out epilogue needs more
+#: than 255 registers. (spill stores / loads in bytes with Triton 3.9.) They are kept out of
+#: test_no_spills_anywhere and the register bounds, and test_known_depthwise_spills fails (strict xfail) as
+#: soon as one of them stops spilling, so the entry is removed and the launch is held to the rules again.
+KNOWN_SPILLS = {
+    ("dw_144x56x56_k5s2_nchw_bf16", "_dw_fwd_kernel"),  # 1676 / 1676
+    ("dw_144x56x56_k5s2_nchw_bf16", "_dw_bwd_dx_kernel"),  # 400 / 400
+    ("dw_144x56x56_k5s2_cl_fp32", "_dw_fwd_kernel"),  # 112 / 112
+    ("dw_144x56x56_k5s2_cl_fp32", "_dw_bwd_dx_kernel"),  # 220 / 224
+    ("dw_silu_k5s2_channels_last_fp16", "_dw_bwd_dx_kernel"),  # 48 / 48
+    ("dw_gelu_out_relu_dilated_fp32", "_dw_bwd_dx_kernel"),  # 64 / 64
+    ("dw_leaky_out_silu_3x5_fp64", "_dw_bwd_dx_kernel"),  # 5320 / 5320
+}
+
+
+def _spills(r: dict) -> bool:
+    return bool(r["spill_stores"] or r["spill_loads"] or r["stack"] or r["local"])
+
 
 def test_no_spills_anywhere(report):
     every = list(report["compiled"].values()) + report["launches"]
     spilled = sorted({
         (r["case"], r["kernel"], r["spill_stores"], r["spill_loads"], r["stack"], r["local"])
-        for r in every if r["spill_stores"] or r["spill_loads"] or r["stack"] or r["local"]
+        for r in every if _spills(r) and (r["case"], r["kernel"]) not in KNOWN_SPILLS
     })
     assert not spilled, f"(case, kernel, spill stores, spill loads, stack, local bytes): {spilled}"
+
+
+@pytest.mark.parametrize("case, kernel", [pytest.param(*pair, marks=pytest.mark.xfail(
+    strict=True, reason="a known depthwise spill (KNOWN_SPILLS): remove the entry when this passes"))
+    for pair in sorted(KNOWN_SPILLS)])
+def test_known_depthwise_spills(report, case, kernel):
+    found = [r for r in list(report["compiled"].values()) + report["launches"]
+             if r["case"] == case and r["kernel"] == kernel]
+    assert found, f"no launch of {kernel} in case {case}: update KNOWN_SPILLS"
+    assert not any(_spills(r) for r in found), [(r["spill_stores"], r["spill_loads"], r["regs"]) for r in found]
 
 
 def test_ptxas_rerun_reproduces_the_cubin(report):
@@ -182,14 +213,31 @@ ROOFLINE_CASES = [
     "sgd_momentum_resnet50_bf16_master", "adam_gpt2_fp32", "adam_gpt2_bf16_master", "sgd_momentum_gpt2_fp32",
     "sgd_momentum_gpt2_bf16_master",
     "clip_resnet50_fp32", "clip_gpt2_fp32",
+    "dw_144x56x56_k3s1_nchw_fp32", "dw_144x56x56_k3s1_nchw_bf16",  # **
+    "dw_144x56x56_k3s1_cl_fp32", "dw_144x56x56_k3s1_cl_bf16",
+    "dw_192x28x28_k3s2_nchw_fp32", "dw_192x28x28_k3s2_nchw_bf16",  # **
+    "dw_192x28x28_k3s2_cl_fp32", "dw_192x28x28_k3s2_cl_bf16",
+    "dw_384x14x14_k3s1_nchw_fp32", "dw_384x14x14_k3s1_nchw_bf16",  # **
+    "dw_384x14x14_k3s1_cl_fp32", "dw_384x14x14_k3s1_cl_bf16",
+    "dw_240x28x28_k5s1_cl_bf16", "dw_144x56x56_k5s2_cl_bf16",
+    "dw_144x56x56_k5s2_nchw_bf16",  # **
+    "dw_144x56x56_k5s2_cl_fp32",
 ]
+#: ** Depthwise convolutions in NCHW: a tile is BLOCK_P output pixels flattened over (row, column) of one
+#: image, addressed through p // W and p % W, so no two lanes' addresses are provably contiguous and every
+#: access of x, y, gy and dx is one element wide (16 bits bf16, 32 bits fp32; coalesced across the warp's
+#: lanes, but 4-8 times the instructions of a 128-bit stream). A stencil reading each pixel at KH x KW
+#: shifted positions cannot keep every tap 16-byte aligned anyway; channels_last, whose channels are
+#: contiguous and a multiple of 8, streams 128 bits. So the NCHW depthwise cases are exempt from the 128-bit
+#: assertion, not the channels_last ones.
+NARROW_BY_DESIGN = {c for c in ROOFLINE_CASES if c.startswith("dw_") and "_nchw_" in c}
 
 
 def test_roofline_cases_are_all_checked(report):
     assert sorted({r["case"] for r in report["launches"]}) == sorted(ROOFLINE_CASES)
 
 
-@pytest.mark.parametrize("case", ROOFLINE_CASES)
+@pytest.mark.parametrize("case", [c for c in ROOFLINE_CASES if c not in NARROW_BY_DESIGN])
 def test_full_size_operands_stream_128_bits(report, case):
     """Every tensor as large as the op (inputs, outputs, gradients, flat buffers) is read and written 128
     bits at a time, wherever the traffic is: in the loop body of a looping kernel (a once-per-program
@@ -224,13 +272,22 @@ REGISTER_BOUNDS = {
     # Optimizers, 8 warps: Adam <= 128 keeps 2 blocks (16 warps), SGD <= 80 keeps 3 (24 warps).
     "_adam_kernel": 128,
     "_sgd_kernel": 80,
+    # Depthwise stencils, 4 warps, every tap unrolled over 8 outputs per thread: the bounds are what the
+    # MobileNetV2/EfficientNet shapes need today (reported as a design problem: 12-25% occupancy for kernels
+    # that should stream). Forward <= 160 keeps 3 blocks (12 warps); dx <= 208 keeps 2 (8 warps): stride 2
+    # costs runtime divisions per tap (201 registers in NCHW fp32). Launches of KNOWN_SPILLS are at 255.
+    "_dw_fwd_kernel": 160,
+    "_dw_bwd_dx_kernel": 208,
+    # The dw/db stages reduce in a loop, one tap per program: <= 72 keeps 7 blocks (28 warps) resident.
+    "_dw_bwd_dw_partial_kernel": 72,
+    "_dw_bwd_dw_final_kernel": 64,
 }
 
 
 @pytest.mark.parametrize("kernel", sorted(REGISTER_BOUNDS))
 def test_registers_under_bound(report, kernel):
-    over = [(r["case"], r["regs"]) for r in report["launches"]
-            if r["kernel"] == kernel and r["regs"] > REGISTER_BOUNDS[kernel]]
+    over = [(r["case"], r["regs"]) for r in report["launches"] if r["kernel"] == kernel
+            and r["regs"] > REGISTER_BOUNDS[kernel] and (r["case"], kernel) not in KNOWN_SPILLS]
     assert [r for r in report["launches"] if r["kernel"] == kernel], f"{kernel} ran in no roofline case"
     assert not over, f"{kernel} over {REGISTER_BOUNDS[kernel]} registers: {over}"
 
@@ -239,6 +296,10 @@ def test_every_kernel_has_a_register_bound(report):
     assert {r["kernel"] for r in report["launches"]} == set(REGISTER_BOUNDS)
 
 
+# Not the depthwise cases: their dw/db stage 1 sizes its grid from target_programs (2 x 4 programs per SM), not
+# from the kernel's residency, and it has at least KH x KW x channel-blocks programs whatever the chunking
+# (NCHW: one channel per block, so 384 channels x 9 taps is 26 programs per SM): a reduction that runs in
+# as many waves as it needs, deterministically by chunk, not a one-wave design.
 @pytest.mark.parametrize("case", [c for c in ROOFLINE_CASES if c.startswith(("bn_", "add_act_"))])
 def test_reduction_grids_fill_the_machine_in_one_wave(report, case):
     """Two-stage reductions size their grid to the GPU: at least one program per SM, all resident at once."""
@@ -262,6 +323,11 @@ BARRIER_FREE = {
     "_clip_segments_kernel": CONTIGUOUS_STREAMS,
     "_adam_kernel": ["adam_resnet50_fp32", "adam_gpt2_fp32"],
     "_sgd_kernel": ["sgd_momentum_resnet50_fp32", "sgd_momentum_gpt2_fp32"],
+    # Depthwise forward and dx in NCHW (one channel or a few per tile): no barrier. In channels_last they have
+    # 2 per tap (17 for 3x3, 49 for 5x5: the weight row, loaded 1-D along the channels, is converted to the
+    # tile's layout through shared memory at every tap; reported), so those cases are not listed.
+    "_dw_fwd_kernel": sorted(NARROW_BY_DESIGN),
+    "_dw_bwd_dx_kernel": sorted(NARROW_BY_DESIGN),
 }
 
 
@@ -276,11 +342,22 @@ def test_pure_streams_have_no_barriers(report, kernel):
 #: (Batch-norm backward's minimum is 7 passes: the reduce pass writes d(residual) = dy', which the dx
 #: pass reads instead of dy and y; the kernels before that design moved 8, 1.14x.)
 BYTES_OVER_MINIMUM = 1.05
+#: Phases whose design moves more than the minimum, and their own bound. Depthwise backward: the dx kernel
+#: and the dw kernels each read gy and x (a dx pass cannot also finish dw, a reduction over every output
+#: pixel, without a second pass or atomics), so it moves 3 x-sized and 2 y-sized tensors against the
+#: minimum's 2 and 1: 5/3 = 1.67x at stride 1, 3.5/2.25 = 1.56x at stride 2, plus the float32 partial rows.
+BYTES_OVER_MINIMUM_BY_DESIGN = {("dw_", "bwd"): 1.75}
+
+
+def _bytes_bound(case: str, phase: str) -> float:
+    return next((bound for (prefix, name), bound in BYTES_OVER_MINIMUM_BY_DESIGN.items()
+                 if case.startswith(prefix) and phase == name), BYTES_OVER_MINIMUM)
 
 
 def test_bytes_moved_stay_near_the_minimum(report):
-    over = [(p["case"], p["phase"], round(p["ratio"], 3)) for p in report["phases"] if p["ratio"] > BYTES_OVER_MINIMUM]
-    assert not over, f"(case, phase, bytes moved / minimum) over {BYTES_OVER_MINIMUM}: {over}"
+    over = [(p["case"], p["phase"], round(p["ratio"], 3), _bytes_bound(p["case"], p["phase"]))
+            for p in report["phases"] if p["ratio"] > _bytes_bound(p["case"], p["phase"])]
+    assert not over, f"(case, phase, bytes moved / minimum, bound) over the bound: {over}"
     phases = {(p["case"], p["phase"]) for p in report["phases"]}
     assert phases >= {(c, "fwd") for c in ROOFLINE_CASES if c.startswith("add")}
 

@@ -20,7 +20,9 @@ py=${PYTHON:-python3}
 NCU_KERNELS=${NCU_KERNELS:-"_bn_stats_partial_kernel _bn_act_bwd_reduce_kernel _bn_act_fwd_kernel _add_act_fwd_kernel _add_act_bwd_kernel _adam_kernel _clip_segments_kernel"}
 [ "$dry" = 0 ] && "$py" -m pip install -q --no-build-isolation --no-deps -e . > /dev/null 2>&1
 
-bench_args=(--no-compile --out "$out/tables"); benches=(add add_act bn_act optim linear compile)
+# depthwise first: its per-shape-class verdicts (Triton against eager + cuDNN) fill
+# tfuse.ops.depthwise.EAGER_SHAPE_CLASSES, and no GPU table of it exists yet (the others have one).
+bench_args=(--no-compile --out "$out/tables"); benches=(depthwise add add_act bn_act optim linear compile)
 [ "$dry" = 1 ] && { bench_args+=(--quick); benches=(add); }
 for b in "${benches[@]}"; do
   left=$((330 - SECONDS)); [ "$left" -gt 20 ] || { echo "skip $b: out of time" >> "$out/bench.log"; continue; }
