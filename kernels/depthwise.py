@@ -9,12 +9,13 @@ gradient) from the saved ``x``.
 Addressing. Every tensor is addressed through its four strides (n, c, h, w),
 so NCHW, channels_last and other strided layouts share one kernel; a stride of
 1 is specialised by Triton, which makes the contiguous axis of a tile
-vectorised. A program's tile is ``[BLOCK_P, BLOCK_C]``: BLOCK_P output (or
-input) pixels of one image by BLOCK_C channels; the launcher makes BLOCK_C
-wide for channels_last (channels are contiguous) and narrow for NCHW (pixels
-are). Taps are unrolled (``KH x KW`` static loops); their loads of
-neighbouring pixels hit the cache lines the previous taps brought in, so DRAM
-sees each input about once.
+vectorised. The forward and dx programs take a ``BLOCK_H x BLOCK_W`` block of
+pixels of one image by BLOCK_C channels: the launcher makes BLOCK_C wide for
+channels_last (channels are contiguous) and BLOCK_W wide for NCHW (columns
+are). Convolution strides are compile-time (1 and 2 are what networks use),
+so output <-> input rows are shifts. Kernel rows are a loop, the taps of a
+row unrolled; loads of neighbouring pixels hit the cache lines earlier taps
+brought in, so DRAM sees each input about once.
 
 Padding is zeros *after* the activation (conv2d pads ``act_in(x)``), so
 masked lanes are zeroed after ``act_in``: sigmoid(0) or hardsigmoid(0) are not 0.
@@ -43,15 +44,23 @@ from .kit import _acc_dtype
 
 
 @triton.jit
-def _pixel_tile(pid_p, p_tiles, n_pixels, width, BLOCK_P: tl.constexpr, INDEX_64: tl.constexpr):
-    """(image n, row, column, mask) of the BLOCK_P pixels of tile ``pid_p`` (images are folded into axis 0)."""
-    n = pid_p // p_tiles
-    p = (pid_p % p_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask = p < n_pixels
+def _spatial_tile(pid, tiles_w, tiles_per_image, rows, cols, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+                  INDEX_64: tl.constexpr):
+    """(image n, row, column, mask) of the ``BLOCK_H x BLOCK_W`` pixels of program ``pid``, flattened to
+    ``[BLOCK_H * BLOCK_W, 1]`` lanes (images are folded into axis 0). Lane -> (row, column) is a shift and a
+    mask (BLOCK_W is a power of two), so no lane divides by a runtime size. Pixel values are 2-D columns, so
+    they broadcast against the channel row without a layout conversion (through shared memory) per tap."""
+    n = pid // tiles_per_image
+    t = pid % tiles_per_image
+    lane = tl.arange(0, BLOCK_H * BLOCK_W)[:, None]  # 2-D from the start: no per-tap layout conversions
+    row = (t // tiles_w) * BLOCK_H + lane // BLOCK_W
+    col = (t % tiles_w) * BLOCK_W + lane % BLOCK_W
+    mask = (row < rows) & (col < cols)
     if INDEX_64:
         n = n.to(tl.int64)
-        p = p.to(tl.int64)
-    return n, p // width, p % width, mask
+        row = row.to(tl.int64)
+        col = col.to(tl.int64)
+    return n, row, col, mask
 
 
 @triton.jit
@@ -70,39 +79,64 @@ def _grad_of_z(gy_ptr, s_ptr, g_offsets, s_offsets, mask, ACT_OUT: tl.constexpr,
 
 
 @triton.jit
+def _tap_weights(w_ptrs, cmask, BLOCK_P: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, ACC: tl.constexpr):
+    """One tap's weights (``w_ptrs``, ``[1, BLOCK_C]``) for the tile's channels, in the tile's layout.
+
+    Where channels are the tile's fastest axis (channels_last), a ``[1,
+    BLOCK_C]`` load gets a layout of its own, and multiplying it into the
+    tile converts the tile through shared memory at every tap (two barriers
+    each, sm_90 compile); loaded broadcast to the tile's shape it takes the
+    tile's layout, and its repeated addresses are served by one cache line per
+    warp. Where pixels are fastest (NCHW) the row load already fits.
+    """
+    if CHANNELS_FASTEST:
+        w = tl.load(tl.broadcast_to(w_ptrs, [BLOCK_P, w_ptrs.shape[1]]),
+                    mask=tl.broadcast_to(cmask, [BLOCK_P, w_ptrs.shape[1]]), other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=cmask, other=0.0)
+    return w.to(ACC)
+
+
+@triton.jit
 def _dw_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr,
-    C, H, W, OH, OW, p_tiles,
+    C, H, W, OH, OW, tiles_w, tiles_per_image,
     sxn, sxc, sxh, sxw, syn, syc, syh, syw, swc, swh, sww,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
-    KH: tl.constexpr, KW: tl.constexpr, ACT_IN: tl.constexpr, ACT_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_Z: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
+    ACT_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, MATH: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
 ):
-    """One ``[BLOCK_P, BLOCK_C]`` output tile of ``act_out(conv(act_in(x)) + b)``; ``z`` stored when STORE_Z."""
+    """One output tile (``BLOCK_H x BLOCK_W`` pixels by BLOCK_C channels) of ``act_out(conv(act_in(x)) + b)``;
+    ``z`` stored when STORE_Z.
+
+    Kernel rows are a loop and the taps of a row are unrolled: the loads of
+    one row are in flight together, and registers stay bounded for 7x7.
+    """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
-    n, oh, ow, pmask = _pixel_tile(tl.program_id(0), p_tiles, OH * OW, OW, BLOCK_P, INDEX_64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n, oh, ow, pmask = _spatial_tile(tl.program_id(0), tiles_w, tiles_per_image, OH, OW, BLOCK_H, BLOCK_W, INDEX_64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     cmask = c < C
     if INDEX_64:
         c = c.to(tl.int64)
-    x_base = x_ptr + n * sxn + c[None, :] * sxc
-    w_base = w_ptr + c * swc
-    acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
-    for kh in tl.static_range(KH):
-        ih = oh * stride_h - pad_h + kh * dil_h
+    x_base = x_ptr + n * sxn + c * sxc
+    w_base = w_ptr + c * swc  # [1, BLOCK_C]: weights load straight into the tile's layout
+    acc = tl.zeros([BLOCK_H * BLOCK_W, BLOCK_C], ACC)
+    for kh in range(0, KH):
+        ih = oh * STRIDE_H - pad_h + kh * dil_h
         hmask = pmask & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
-            iw = ow * stride_w - pad_w + kw * dil_w
-            m = (hmask & (iw >= 0) & (iw < W))[:, None] & cmask[None, :]
-            xv = tl.load(x_base + (ih * sxh + iw * sxw)[:, None], mask=m, other=0.0).to(ACC)
+            iw = ow * STRIDE_W - pad_w + kw * dil_w
+            m = hmask & (iw >= 0) & (iw < W) & cmask
+            xv = tl.load(x_base + ih * sxh + iw * sxw, mask=m, other=0.0).to(ACC)
             a = tl.where(m, _activation(xv, ACT_IN, slope_in, MATH), 0.0)
-            wv = tl.load(w_base + kh * swh + kw * sww, mask=cmask, other=0.0).to(ACC)
-            acc += a * wv[None, :]
+            wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+            acc += a * wv
     if HAS_BIAS:
-        acc += tl.load(b_ptr + c, mask=cmask, other=0.0).to(ACC)[None, :]
-    y_offsets = n * syn + c[None, :] * syc + (oh * syh + ow * syw)[:, None]
-    mask = pmask[:, None] & cmask[None, :]
+        acc += tl.load(b_ptr + c, mask=cmask, other=0.0).to(ACC)
+    y_offsets = n * syn + c * syc + oh * syh + ow * syw
+    mask = pmask & cmask
     if STORE_Z:
         tl.store(z_ptr + y_offsets, _cast_to(acc, z_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
     y = _activation(acc, ACT_OUT, slope_out, MATH)
@@ -112,47 +146,48 @@ def _dw_fwd_kernel(
 @triton.jit
 def _dw_bwd_dx_kernel(
     gy_ptr, s_ptr, x_ptr, w_ptr, dx_ptr,
-    C, H, W, OH, OW, p_tiles,
+    C, H, W, OH, OW, tiles_w, tiles_per_image,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, swc, swh, sww,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
-    KH: tl.constexpr, KW: tl.constexpr, ACT_IN: tl.constexpr, ACT_OUT: tl.constexpr,
-    SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
+    ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
 ):
-    """One ``[BLOCK_P, BLOCK_C]`` tile of ``dx = act_in'(x) * sum_taps gz[oh, ow] * w[tap]``.
+    """One input tile of ``dx = act_in'(x) * sum_taps gz[oh, ow] * w[tap]``.
 
     Input pixel (ih, iw) meets tap (kh, kw) at output row ``oh = (ih + pad_h -
-    kh * dil_h) / stride_h`` when that division is exact and in range (the
-    same for columns).
+    kh * dil_h) / STRIDE_H`` when that division is exact and in range (the
+    same for columns); the strides are compile-time, so it is a shift for 2.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
-    n, ih, iw, pmask = _pixel_tile(tl.program_id(0), p_tiles, H * W, W, BLOCK_P, INDEX_64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n, ih, iw, pmask = _spatial_tile(tl.program_id(0), tiles_w, tiles_per_image, H, W, BLOCK_H, BLOCK_W, INDEX_64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     cmask = c < C
     if INDEX_64:
         c = c.to(tl.int64)
-    g_base = n * sgn + c[None, :] * sgc
-    s_base = n * ssn + c[None, :] * ssc
+    g_base = n * sgn + c * sgc
+    s_base = n * ssn + c * ssc
     w_base = w_ptr + c * swc
-    acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
-    for kh in tl.static_range(KH):
+    acc = tl.zeros([BLOCK_H * BLOCK_W, BLOCK_C], ACC)
+    for kh in range(0, KH):
         oh_scaled = ih + pad_h - kh * dil_h
-        oh = oh_scaled // stride_h  # oh_scaled >= 0 wherever it is used: floor and truncation agree
-        hmask = pmask & (oh_scaled >= 0) & (oh * stride_h == oh_scaled) & (oh < OH)
+        oh = oh_scaled // STRIDE_H  # used only where oh_scaled >= 0: floor and truncation agree there
+        hmask = pmask & (oh_scaled >= 0) & (oh * STRIDE_H == oh_scaled) & (oh < OH)
         for kw in tl.static_range(KW):
             ow_scaled = iw + pad_w - kw * dil_w
-            ow = ow_scaled // stride_w
-            m = (hmask & (ow_scaled >= 0) & (ow * stride_w == ow_scaled) & (ow < OW))[:, None] & cmask[None, :]
+            ow = ow_scaled // STRIDE_W
+            m = hmask & (ow_scaled >= 0) & (ow * STRIDE_W == ow_scaled) & (ow < OW) & cmask
             g = _grad_of_z(
-                gy_ptr, s_ptr, g_base + (oh * sgh + ow * sgw)[:, None], s_base + (oh * ssh + ow * ssw)[:, None], m,
+                gy_ptr, s_ptr, g_base + oh * sgh + ow * sgw, s_base + oh * ssh + ow * ssw, m,
                 ACT_OUT, SAVED_IS_OUTPUT, slope_out, MATH, ACC,
             )
-            wv = tl.load(w_base + kh * swh + kw * sww, mask=cmask, other=0.0).to(ACC)
-            acc += g * wv[None, :]
-    mask = pmask[:, None] & cmask[None, :]
-    xv = tl.load(x_ptr + n * sxn + c[None, :] * sxc + (ih * sxh + iw * sxw)[:, None], mask=mask, other=0.0)
+            wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+            acc += g * wv
+    mask = pmask & cmask
+    xv = tl.load(x_ptr + n * sxn + c * sxc + ih * sxh + iw * sxw, mask=mask, other=0.0)
     dx = _activation_backward(acc, xv.to(ACC), ACT_IN, slope_in, MATH)
-    dx_offsets = n * sdn + c[None, :] * sdc + (ih * sdh + iw * sdw)[:, None]
+    dx_offsets = n * sdn + c * sdc + ih * sdh + iw * sdw
     tl.store(dx_ptr + dx_offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
@@ -161,31 +196,32 @@ def _dw_bwd_dw_partial_kernel(
     gy_ptr, s_ptr, x_ptr, partial_ptr,
     C, H, W, OH, OW, n_outputs, tiles_per_chunk,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
-    KH: tl.constexpr, KW: tl.constexpr, ACT_IN: tl.constexpr, ACT_OUT: tl.constexpr,
-    SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
+    ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
+    ACC_FP64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Stage 1 of dw/db: partial[chunk, tap, c] = sum over the chunk's outputs of gz * act_in(x at the tap).
 
     Axis 0 is the tap (``KH * KW`` of them, plus one for the bias, which sums
     gz alone), so the programs that read one chunk run side by side and share
     its loads in the cache; axis 1 the chunk of flattened (n, oh, ow) outputs,
-    axis 2 the channel block.
+    axis 2 the channel block. Products accumulate per lane over the chunk and
+    are summed across lanes once, at the end.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
     tap = tl.program_id(0)
     chunk = tl.program_id(1)
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     cmask = c < C
     kh = tap // KW
     kw = tap % KW
     if INDEX_64:
         c = c.to(tl.int64)
     is_tap = (c * 0 + tap) < KH * KW  # per lane (masks are tensors); the program of tap KH * KW sums db
-    acc = tl.zeros([BLOCK_C], ACC)
+    acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
     for t in range(0, tiles_per_chunk):
-        q = (chunk * tiles_per_chunk + t) * BLOCK_P + tl.arange(0, BLOCK_P)
+        q = (chunk * tiles_per_chunk + t) * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]
         qmask = q < n_outputs
         if INDEX_64:
             q = q.to(tl.int64)
@@ -193,21 +229,19 @@ def _dw_bwd_dw_partial_kernel(
         r = q % (OH * OW)
         oh = r // OW
         ow = r % OW
-        m = qmask[:, None] & cmask[None, :]
+        m = qmask & cmask
         g = _grad_of_z(
-            gy_ptr, s_ptr, (n * sgn + oh * sgh + ow * sgw)[:, None] + c[None, :] * sgc,
-            (n * ssn + oh * ssh + ow * ssw)[:, None] + c[None, :] * ssc, m, ACT_OUT, SAVED_IS_OUTPUT, slope_out, MATH,
-            ACC,
+            gy_ptr, s_ptr, n * sgn + oh * sgh + ow * sgw + c * sgc, n * ssn + oh * ssh + ow * ssw + c * ssc, m,
+            ACT_OUT, SAVED_IS_OUTPUT, slope_out, MATH, ACC,
         )
-        ih = oh * stride_h - pad_h + kh * dil_h
-        iw = ow * stride_w - pad_w + kw * dil_w
-        xm = (qmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & (cmask & is_tap)[None, :]
-        xv = tl.load(x_ptr + (n * sxn + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc, mask=xm, other=0.0)
+        ih = oh * STRIDE_H - pad_h + kh * dil_h
+        iw = ow * STRIDE_W - pad_w + kw * dil_w
+        xm = qmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & cmask & is_tap
+        xv = tl.load(x_ptr + n * sxn + ih * sxh + iw * sxw + c * sxc, mask=xm, other=0.0)
         a = tl.where(xm, _activation(xv.to(ACC), ACT_IN, slope_in, MATH), 0.0)
-        a = tl.where(is_tap[None, :], a, 1.0)
-        acc += tl.sum(g * a, axis=0)
+        acc += g * tl.where(is_tap, a, 1.0)
     row = (chunk * (KH * KW + 1) + tap).to(tl.int64) * C
-    tl.store(partial_ptr + row + c, acc, mask=cmask)
+    tl.store(partial_ptr + row + c, tl.sum(acc, axis=0)[None, :], mask=cmask)
 
 
 @triton.jit

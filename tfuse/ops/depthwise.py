@@ -460,13 +460,58 @@ def _is_channels_last(x: torch.Tensor) -> bool:
     return x.shape[1] > 1 and x.stride(1) == 1 and x.stride(3) != 1
 
 
-def _blocks(channels: int, pixels: int, channels_last: bool) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_C) of a ``_TILE_ELEMENTS`` tile: wide in channels for channels_last, in pixels for NCHW."""
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """How the forward and dx kernels cut ``rows x cols`` pixels by ``channels`` into programs."""
+
+    block_h: int
+    block_w: int
+    block_c: int
+    tiles_w: int
+    tiles_per_image: int
+    c_tiles: int
+
+    def grid(self, images: int) -> tuple[int, int]:
+        return (images * self.tiles_per_image, self.c_tiles)
+
+    channels_fastest: bool
+
+    def meta(self) -> dict[str, int]:
+        return dict(
+            BLOCK_H=self.block_h, BLOCK_W=self.block_w, BLOCK_C=self.block_c, CHANNELS_FASTEST=self.channels_fastest
+        )
+
+
+def _tile_elements(kernel: tuple[int, int], dtype: torch.dtype) -> int:
+    """Elements of a program's tile: smaller for wide kernels and float64, whose taps hold more registers
+    (the sm_90 compile spilled 5x5 at 1024: benchmarks/results/sm90-kernels.md)."""
+    elements = _TILE_ELEMENTS if kernel[1] <= 5 else _TILE_ELEMENTS // 2
+    return elements // 2 if dtype == torch.float64 else elements
+
+
+def _spatial_tiles(channels: int, rows: int, cols: int, channels_last: bool, elements: int) -> _Tiles:
+    """Tiles wide in channels for channels_last (channels contiguous), wide in columns for NCHW (columns are)."""
     if channels_last:
-        block_c = min(next_power_of_2(channels), _MAX_BLOCK_C)
-        return max(1, min(next_power_of_2(pixels), _TILE_ELEMENTS // block_c)), block_c
-    block_p = min(next_power_of_2(pixels), _TILE_ELEMENTS)
-    return block_p, max(1, min(next_power_of_2(channels), _TILE_ELEMENTS // block_p))
+        block_c = min(next_power_of_2(channels), _MAX_BLOCK_C, elements)
+        pixels = max(1, elements // block_c)
+        block_w = min(next_power_of_2(cols), pixels)
+        block_h = max(1, min(next_power_of_2(rows), pixels // block_w))
+    else:
+        block_w = min(next_power_of_2(cols), elements)
+        block_h = max(1, min(next_power_of_2(rows), elements // block_w))
+        block_c = max(1, min(next_power_of_2(channels), elements // (block_h * block_w)))
+    tiles_w = math.ceil(cols / block_w)
+    tiles_per_image = tiles_w * math.ceil(rows / block_h)
+    return _Tiles(block_h, block_w, block_c, tiles_w, tiles_per_image, math.ceil(channels / block_c), channels_last)
+
+
+def _flat_blocks(channels: int, pixels: int, channels_last: bool, elements: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_C) of the dw kernel, whose programs walk flattened (n, oh, ow) outputs."""
+    if channels_last:
+        block_c = min(next_power_of_2(channels), _MAX_BLOCK_C, elements)
+        return max(1, min(next_power_of_2(pixels), elements // block_c)), block_c
+    block_p = min(next_power_of_2(pixels), elements)
+    return block_p, max(1, min(next_power_of_2(channels), elements // block_p))
 
 
 def _empty_like_layout(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -474,15 +519,34 @@ def _empty_like_layout(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=x.dtype, device=x.device, memory_format=fmt)
 
 
-def _largest_offset(tensors: Sequence[torch.Tensor], block_p: int, block_c: int, spec: ConvSpec, kernel) -> int:
-    """A bound on any lane's element offset (masked lanes of edge tiles and of padding included)."""
-    reach = max(spec.padding) + max(spec.dilation) * max(kernel) + max(spec.stride) * (block_p + 1) + block_p
+def _largest_offset(tensors: Sequence[torch.Tensor], block: int, block_c: int, spec: ConvSpec, kernel) -> int:
+    """A bound on any lane's element offset (masked lanes of edge tiles and of padding included); ``block``
+    bounds a tile's extent in pixels along either axis."""
+    reach = max(spec.padding) + max(spec.dilation) * max(kernel) + max(spec.stride) * (block + 1) + block
     bound = 0
     for t in tensors:
         n, c, h, w = t.shape
         extents = (n + 1, c + block_c, h + reach, w + reach)
         bound = max(bound, sum(e * abs(s) for e, s in zip(extents, t.stride())))
     return bound
+
+
+def _scalars(spec: ConvSpec) -> tuple:
+    """The runtime geometry and slopes every kernel takes (strides are compile-time: STRIDE_H/W)."""
+    return (*spec.padding, *spec.dilation, spec.negative_slope, spec.negative_slope)
+
+
+def _static_meta(spec: ConvSpec, kernel: tuple[int, int], dtype: torch.dtype) -> dict:
+    return dict(
+        KH=kernel[0],
+        KW=kernel[1],
+        STRIDE_H=spec.stride[0],
+        STRIDE_W=spec.stride[1],
+        ACT_IN=spec.act_in.code,
+        ACT_OUT=spec.act_out.code,
+        MATH=math_mode(dtype, interpreter_active()),
+        ACC_FP64=acc_fp64(dtype),
+    )
 
 
 def _forward_triton(
@@ -496,12 +560,11 @@ def _forward_triton(
     z = _empty_like_layout(x, (n, c, oh, ow)) if source is GradSource.INPUT else None
     if y.numel() == 0:
         return y, (y if source is GradSource.OUTPUT else z)
-    block_p, block_c = _blocks(c, oh * ow, _is_channels_last(x))
-    p_tiles = math.ceil(oh * ow / block_p)
-    index_64 = needs_int64(_largest_offset((x, y), block_p, block_c, spec, kernel))
+    tiles = _spatial_tiles(c, oh, ow, _is_channels_last(x), _tile_elements(kernel, x.dtype))
+    block = max(tiles.block_h, tiles.block_w)
     launch(
         kernels._dw_fwd_kernel,
-        (n * p_tiles, math.ceil(c / block_c)),
+        tiles.grid(n),
         (
             x,
             weight,
@@ -513,31 +576,22 @@ def _forward_triton(
             w,
             oh,
             ow,
-            p_tiles,
+            tiles.tiles_w,
+            tiles.tiles_per_image,
             *x.stride(),
             *y.stride(),
             weight.stride(0),
             weight.stride(2),
             weight.stride(3),
-            *spec.stride,
-            *spec.padding,
-            *spec.dilation,
-            spec.negative_slope,
-            spec.negative_slope,
+            *_scalars(spec),
         ),
         dict(
-            KH=kernel[0],
-            KW=kernel[1],
-            ACT_IN=spec.act_in.code,
-            ACT_OUT=spec.act_out.code,
+            _static_meta(spec, kernel, x.dtype),
             HAS_BIAS=bias is not None,
             STORE_Z=z is not None,
-            MATH=math_mode(x.dtype, interpreter_active()),
-            INDEX_64=index_64,
-            ACC_FP64=acc_fp64(x.dtype),
+            INDEX_64=needs_int64(_largest_offset((x, y), block, tiles.block_c, spec, kernel)),
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
-            BLOCK_P=block_p,
-            BLOCK_C=block_c,
+            **tiles.meta(),
         ),
         x.device,
     )
@@ -557,26 +611,17 @@ def _backward_triton(
     _, _, oh, ow = gy.shape
     kernel = (weight.shape[2], weight.shape[3])
     saved = saved_out if saved_out is not None else gy  # an unread placeholder when act_out is identity
-    common = (*spec.stride, *spec.padding, *spec.dilation, spec.negative_slope, spec.negative_slope)
-    meta = dict(
-        KH=kernel[0],
-        KW=kernel[1],
-        ACT_IN=spec.act_in.code,
-        ACT_OUT=spec.act_out.code,
-        SAVED_IS_OUTPUT=spec.saved_output is GradSource.OUTPUT,
-        MATH=math_mode(x.dtype, interpreter_active()),
-        ACC_FP64=acc_fp64(x.dtype),
-    )
+    meta = dict(_static_meta(spec, kernel, x.dtype), SAVED_IS_OUTPUT=spec.saved_output is GradSource.OUTPUT)
     channels_last = _is_channels_last(x)
     dx = dw = db = None
     if needed[0]:
         dx = _empty_like_layout(x, x.shape)
         if dx.numel():
-            block_p, block_c = _blocks(c, h * w, channels_last)
-            p_tiles = math.ceil(h * w / block_p)
+            tiles = _spatial_tiles(c, h, w, channels_last, _tile_elements(kernel, x.dtype))
+            block = max(tiles.block_h, tiles.block_w)
             launch(
                 kernels._dw_bwd_dx_kernel,
-                (n * p_tiles, math.ceil(c / block_c)),
+                tiles.grid(n),
                 (
                     gy,
                     saved,
@@ -588,7 +633,8 @@ def _backward_triton(
                     w,
                     oh,
                     ow,
-                    p_tiles,
+                    tiles.tiles_w,
+                    tiles.tiles_per_image,
                     *gy.stride(),
                     *saved.stride(),
                     *x.stride(),
@@ -596,14 +642,13 @@ def _backward_triton(
                     weight.stride(0),
                     weight.stride(2),
                     weight.stride(3),
-                    *common,
+                    *_scalars(spec),
                 ),
                 dict(
                     meta,
-                    INDEX_64=needs_int64(_largest_offset((gy, saved, x, dx), block_p, block_c, spec, kernel)),
+                    INDEX_64=needs_int64(_largest_offset((gy, saved, x, dx), block, tiles.block_c, spec, kernel)),
                     EMULATE_BF16_RTNE=emulate_bf16_rtne(),
-                    BLOCK_P=block_p,
-                    BLOCK_C=block_c,
+                    **tiles.meta(),
                 ),
                 x.device,
             )
@@ -611,11 +656,11 @@ def _backward_triton(
     if needed[1] or want_bias:
         dw = torch.empty_like(weight)
         db = torch.empty_like(bias) if bias is not None else None
-        _weight_grads(gy, saved, x, dw, db, kernel, spec, common, meta, channels_last)
+        _weight_grads(gy, saved, x, dw, db, kernel, spec, meta, channels_last)
     return dx, dw if needed[1] else None, db if want_bias else None
 
 
-def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, common, meta, channels_last: bool) -> None:  # type: ignore[no-untyped-def]
+def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_last: bool) -> None:  # type: ignore[no-untyped-def]
     """dw (and db) by the two-stage reduction: partial rows per chunk of outputs, then their sum in order."""
     n, c, h, w = x.shape
     _, _, oh, ow = gy.shape
@@ -626,7 +671,7 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, common, meta, ch
         if db is not None:
             db.zero_()
         return
-    block_p, block_c = _blocks(c, n_outputs, channels_last)
+    block_p, block_c = _flat_blocks(c, n_outputs, channels_last, _tile_elements(kernel, x.dtype))
     c_tiles = math.ceil(c / block_c)
     has_bias = db is not None
     programs_per_chunk = (taps + has_bias) * c_tiles
@@ -635,6 +680,7 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, common, meta, ch
     tiles_per_chunk = math.ceil(total_tiles / n_chunks)
     n_chunks = math.ceil(total_tiles / tiles_per_chunk)
     partial = torch.empty((n_chunks, taps + 1, c), dtype=acc_dtype(x.dtype), device=x.device)
+    largest = max(_largest_offset((gy, saved, x), 1, block_c, spec, kernel), n_outputs + 2 * block_p)
     launch(
         kernels._dw_bwd_dw_partial_kernel,
         (taps + has_bias, n_chunks, c_tiles),
@@ -653,16 +699,9 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, common, meta, ch
             *gy.stride(),
             *saved.stride(),
             *x.stride(),
-            *common,
+            *_scalars(spec),
         ),
-        dict(
-            meta,
-            INDEX_64=needs_int64(
-                max(_largest_offset((gy, saved, x), block_p, block_c, spec, kernel), n_outputs + 2 * block_p)
-            ),
-            BLOCK_P=block_p,
-            BLOCK_C=block_c,
-        ),
+        dict(meta, INDEX_64=needs_int64(largest), BLOCK_P=block_p, BLOCK_C=block_c),
         x.device,
     )
     n_values = (taps + has_bias) * c
