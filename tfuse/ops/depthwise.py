@@ -286,6 +286,13 @@ def _check_tensors(x: object, weight: object, bias: object) -> bool:
 
 
 def _pair(name: str, value: object, minimum: int) -> tuple[int, int]:
+    # Fast path for what nn.Conv2d passes (a tuple of two ints) and plain ints: the ABC checks below cost
+    # microseconds per call, on every forward.
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        if value[0] >= minimum and value[1] >= minimum:
+            return value
+    elif type(value) is int and value >= minimum:
+        return (value, value)
     items = (value, value) if isinstance(value, numbers.Integral) else value
     if (
         not isinstance(items, Sequence)
