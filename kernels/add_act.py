@@ -47,7 +47,7 @@ import triton.language as tl
 from . import codes
 from .activations import _act_backward_from_output, _activation, _activation_backward
 from .cast import _cast_to
-from .kit import _acc_dtype
+from .kit import _acc_dtype, _float_arg
 from .tiles import (
     COL,
     LINEAR,
@@ -93,6 +93,7 @@ def _add_act_fwd_kernel(
     n_rows,
     n_cols,
     negative_slope,
+    negative_slope_lo,
     N_INPUTS: tl.constexpr,
     MODES: tl.constexpr,
     OUTER_RANK: tl.constexpr,
@@ -106,7 +107,11 @@ def _add_act_fwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    """One tile of ``out = act(sum(inputs))``; arguments as in add._add_fwd_kernel, plus ACT and MATH."""
+    """One tile of ``out = act(sum(inputs))``; arguments as in add._add_fwd_kernel, plus ACT and MATH.
+
+    negative_slope, negative_slope_lo: leaky_relu's slope, split by the launcher (kit._float_arg).
+    """
+    negative_slope = _float_arg(negative_slope, negative_slope_lo, ACC_FP64)
     pid = _program_id(INDEX_64)
     if _tile_is_full(pid, n_rows, n_cols, ONE_ROW, BLOCK_ROWS, BLOCK_COLS):
         _add_act_tile(
@@ -267,6 +272,7 @@ def _add_act_bwd_kernel(
     rows_per_group,
     block_width,
     negative_slope,
+    negative_slope_lo,
     DY_MODE: tl.constexpr,
     N_SRC: tl.constexpr,
     SRC_MODES: tl.constexpr,
@@ -293,7 +299,9 @@ def _add_act_bwd_kernel(
     red_strides, numels, n_bcasts: per slot, see the module docstring.
     block_width: columns per block (BLOCK_COLS, or whole channels for CHAN).
     PIXELS_POW2: for CHAN, the pixel count rounded up to a power of two.
+    negative_slope, negative_slope_lo: leaky_relu's slope, split by the launcher (kit._float_arg).
     """
+    negative_slope = _float_arg(negative_slope, negative_slope_lo, ACC_FP64)
     col_block = tl.program_id(0)
     group = tl.program_id(1)
     if INDEX_64:

@@ -47,7 +47,7 @@ import triton.language as tl
 from . import codes
 from .activations import _act, _act_backward, _act_backward_from_output
 from .cast import _cast_to
-from .kit import _acc_dtype
+from .kit import _acc_dtype, _float_arg
 
 # How a reduction program turns its per-lane sums into per-channel sums.
 SEG_LANE = tl.constexpr(codes.SEG_LANE)  # column == channel (channels_last)
@@ -226,7 +226,7 @@ def _bn_stats_partial_kernel(
 @triton.jit(do_not_specialize=["C", "n_chunks", "rows_per_chunk", "n_rows"])
 def _bn_stats_final_kernel(
     buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr,
-    C, n_chunks, rows_per_chunk, n_rows, SS, eps, momentum,
+    C, n_chunks, rows_per_chunk, n_rows, SS, eps, eps_lo, momentum, momentum_lo,
     UPDATE_RUNNING: tl.constexpr, AFFINE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     ACC_FP64: tl.constexpr,
 ):
@@ -236,6 +236,8 @@ def _bn_stats_final_kernel(
     and updates the running statistics (running_var gets the unbiased variance, as torch).
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
+    eps = _float_arg(eps, eps_lo, ACC_FP64)
+    momentum = _float_arg(momentum, momentum_lo, ACC_FP64)
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_mask = channels < C
     partials = buf_ptr + 4 * C
@@ -282,7 +284,7 @@ def _bn_stats_final_kernel(
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_fwd_kernel(
     x_ptr, res_ptr, y_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr,
-    n_rows, n_cols, SS, rows_per_chunk, eps, negative_slope,
+    n_rows, n_cols, SS, rows_per_chunk, eps, eps_lo, negative_slope, negative_slope_lo,
     HAS_RESIDUAL: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr, INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
     VEC: tl.constexpr, ACC_FP64: tl.constexpr,
@@ -292,6 +294,8 @@ def _bn_act_fwd_kernel(
     The per-channel values are gathered once per lane, then reused down the rows.
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
+    eps = _float_arg(eps, eps_lo, ACC_FP64)
+    negative_slope = _float_arg(negative_slope, negative_slope_lo, ACC_FP64)
     cols, col_mask = _bn_columns(n_cols, BL, VEC)
     mean, _invstd, scale, bias = _bn_lane_params(
         p_ptr, var_ptr, weight_ptr, bias_ptr, cols // SS, col_mask, n_cols // SS, eps, FROM_RUNNING, AFFINE, acc
@@ -336,7 +340,7 @@ def _bn_act_grad_out(
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
 def _bn_act_bwd_reduce_kernel(
     dy_ptr, src_ptr, x_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr, buf_ptr, dx_ptr, dres_ptr,
-    n_rows, n_cols, SS, GW, rows_per_chunk, eps, negative_slope,
+    n_rows, n_cols, SS, GW, rows_per_chunk, eps, eps_lo, negative_slope, negative_slope_lo,
     HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr,
     ACT: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
     SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
@@ -351,6 +355,8 @@ def _bn_act_bwd_reduce_kernel(
     instead of dy and the saved tensor).
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
+    eps = _float_arg(eps, eps_lo, ACC_FP64)
+    negative_slope = _float_arg(negative_slope, negative_slope_lo, ACC_FP64)
     C = n_cols // SS
     start, end = _bn_group_window(tl.program_id(0), n_cols, GW, VEC)
     row_begin, row_end = _bn_chunk(n_rows, rows_per_chunk, INDEX_64)
@@ -442,7 +448,7 @@ def _bn_bwd_final_kernel(
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
 def _bn_act_bwd_dx_kernel(
     dy_ptr, src_ptr, x_ptr, q_ptr, dx_ptr, dres_ptr,
-    n_rows, n_cols, SS, rows_per_chunk, negative_slope,
+    n_rows, n_cols, SS, rows_per_chunk, negative_slope, negative_slope_lo,
     HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_DZ: tl.constexpr, ACT: tl.constexpr,
     WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
     INDEX_64: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr, ACC_FP64: tl.constexpr,
@@ -455,6 +461,7 @@ def _bn_act_bwd_dx_kernel(
     (it is dy'), instead of being recomputed from dy and the saved tensor.
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
+    negative_slope = _float_arg(negative_slope, negative_slope_lo, ACC_FP64)
     cols, col_mask = _bn_columns(n_cols, BL, VEC)
     C = n_cols // SS
     channels = cols // SS

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .activations import _act_backward_from_output, _activation, _activation_backward
 from .cast import _cast_to
-from .kit import _acc_dtype
+from .kit import _acc_dtype, _float_arg
 
 
 @triton.jit
@@ -65,15 +65,15 @@ def _spatial_tile(pid, tiles_w, tiles_per_image, rows, cols, BLOCK_H: tl.constex
 
 @triton.jit
 def _grad_of_z(gy_ptr, s_ptr, g_offsets, s_offsets, mask, ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
-               slope_out, MATH: tl.constexpr, ACC: tl.constexpr):
+               slope, MATH: tl.constexpr, ACC: tl.constexpr):
     """``gz = gy * act_out'``, loaded at output offsets (0 where masked)."""
     g = tl.load(gy_ptr + g_offsets, mask=mask, other=0.0).to(ACC)
     if ACT_OUT != 0:  # IDENTITY is code 0 (kernels/codes.py)
         s = tl.load(s_ptr + s_offsets, mask=mask, other=0.0).to(ACC)
         if SAVED_IS_OUTPUT:
-            g = _act_backward_from_output(g, s, ACT_OUT, slope_out)
+            g = _act_backward_from_output(g, s, ACT_OUT, slope)
         else:
-            g = _activation_backward(g, s, ACT_OUT, slope_out, MATH)
+            g = _activation_backward(g, s, ACT_OUT, slope, MATH)
         g = tl.where(mask, g, 0.0)
     return g
 
@@ -102,7 +102,7 @@ def _dw_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, z_ptr,
     C, H, W, OH, OW, tiles_w, tiles_per_image,
     sxn, sxc, sxh, sxw, syn, syc, syh, syw, swc, swh, sww,
-    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, MATH: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -115,6 +115,7 @@ def _dw_fwd_kernel(
     one row are in flight together, and registers stay bounded for 7x7.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
+    slope = _float_arg(slope_hi, slope_lo, ACC_FP64)  # leaky_relu's, for act_in and act_out alike
     n, oh, ow, pmask = _spatial_tile(tl.program_id(0), tiles_w, tiles_per_image, OH, OW, BLOCK_H, BLOCK_W, INDEX_64)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     cmask = c < C
@@ -130,7 +131,7 @@ def _dw_fwd_kernel(
             iw = ow * STRIDE_W - pad_w + kw * dil_w
             m = hmask & (iw >= 0) & (iw < W) & cmask
             xv = tl.load(x_base + ih * sxh + iw * sxw, mask=m, other=0.0).to(ACC)
-            a = tl.where(m, _activation(xv, ACT_IN, slope_in, MATH), 0.0)
+            a = tl.where(m, _activation(xv, ACT_IN, slope, MATH), 0.0)
             wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
             acc += a * wv
     if HAS_BIAS:
@@ -139,7 +140,7 @@ def _dw_fwd_kernel(
     mask = pmask & cmask
     if STORE_Z:
         tl.store(z_ptr + y_offsets, _cast_to(acc, z_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
-    y = _activation(acc, ACT_OUT, slope_out, MATH)
+    y = _activation(acc, ACT_OUT, slope, MATH)
     tl.store(y_ptr + y_offsets, _cast_to(y, y_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
@@ -148,7 +149,7 @@ def _dw_bwd_dx_kernel(
     gy_ptr, s_ptr, x_ptr, w_ptr, dx_ptr,
     C, H, W, OH, OW, tiles_w, tiles_per_image,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, swc, swh, sww,
-    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -161,6 +162,7 @@ def _dw_bwd_dx_kernel(
     same for columns); the strides are compile-time, so it is a shift for 2.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
+    slope = _float_arg(slope_hi, slope_lo, ACC_FP64)  # leaky_relu's, for act_in and act_out alike
     n, ih, iw, pmask = _spatial_tile(tl.program_id(0), tiles_w, tiles_per_image, H, W, BLOCK_H, BLOCK_W, INDEX_64)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     cmask = c < C
@@ -180,13 +182,13 @@ def _dw_bwd_dx_kernel(
             m = hmask & (ow_scaled >= 0) & (ow * STRIDE_W == ow_scaled) & (ow < OW) & cmask
             g = _grad_of_z(
                 gy_ptr, s_ptr, g_base + oh * sgh + ow * sgw, s_base + oh * ssh + ow * ssw, m,
-                ACT_OUT, SAVED_IS_OUTPUT, slope_out, MATH, ACC,
+                ACT_OUT, SAVED_IS_OUTPUT, slope, MATH, ACC,
             )
             wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
             acc += g * wv
     mask = pmask & cmask
     xv = tl.load(x_ptr + n * sxn + c * sxc + ih * sxh + iw * sxw, mask=mask, other=0.0)
-    dx = _activation_backward(acc, xv.to(ACC), ACT_IN, slope_in, MATH)
+    dx = _activation_backward(acc, xv.to(ACC), ACT_IN, slope, MATH)
     dx_offsets = n * sdn + c * sdc + ih * sdh + iw * sdw
     tl.store(dx_ptr + dx_offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
@@ -196,7 +198,7 @@ def _dw_bwd_dw_partial_kernel(
     gy_ptr, s_ptr, x_ptr, partial_ptr,
     C, H, W, OH, OW, n_outputs, tiles_per_chunk,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw,
-    pad_h, pad_w, dil_h, dil_w, slope_in, slope_out,
+    pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_FP64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -210,6 +212,7 @@ def _dw_bwd_dw_partial_kernel(
     are summed across lanes once, at the end.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
+    slope = _float_arg(slope_hi, slope_lo, ACC_FP64)  # leaky_relu's, for act_in and act_out alike
     tap = tl.program_id(0)
     chunk = tl.program_id(1)
     c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
@@ -232,13 +235,13 @@ def _dw_bwd_dw_partial_kernel(
         m = qmask & cmask
         g = _grad_of_z(
             gy_ptr, s_ptr, n * sgn + oh * sgh + ow * sgw + c * sgc, n * ssn + oh * ssh + ow * ssw + c * ssc, m,
-            ACT_OUT, SAVED_IS_OUTPUT, slope_out, MATH, ACC,
+            ACT_OUT, SAVED_IS_OUTPUT, slope, MATH, ACC,
         )
         ih = oh * STRIDE_H - pad_h + kh * dil_h
         iw = ow * STRIDE_W - pad_w + kw * dil_w
         xm = qmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & cmask & is_tap
         xv = tl.load(x_ptr + n * sxn + ih * sxh + iw * sxw + c * sxc, mask=xm, other=0.0)
-        a = tl.where(xm, _activation(xv.to(ACC), ACT_IN, slope_in, MATH), 0.0)
+        a = tl.where(xm, _activation(xv.to(ACC), ACT_IN, slope, MATH), 0.0)
         acc += g * tl.where(is_tap, a, 1.0)
     row = (chunk * (KH * KW + 1) + tap).to(tl.int64) * C
     tl.store(partial_ptr + row + c, tl.sum(acc, axis=0)[None, :], mask=cmask)

@@ -19,3 +19,18 @@ import triton.language as tl
 def _acc_dtype(fp64):
     """float64 if ``fp64`` else float32: the dtype loads are converted to and sums are kept in."""
     return tl.float64 if fp64 else tl.float32
+
+
+@triton.jit
+def _float_arg(hi, lo, ACC_FP64: tl.constexpr):
+    """A float argument the launcher split into two float32 numbers (``tfuse._kit.split_float``).
+
+    Triton passes Python floats to kernels as float32, which would round a
+    slope, eps or momentum to 24 bits in float64 kernels; hi + lo in float64
+    keeps ~48 bits. float32 kernels take hi, the float32 value they always had.
+    """
+    if ACC_FP64:
+        value = tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+    else:
+        value = tl.cast(hi, tl.float32)
+    return value

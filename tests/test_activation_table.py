@@ -216,9 +216,9 @@ def test_input_activations_have_outputs_that_do_not_determine_the_derivative(mem
 
 @pytest.mark.parametrize("member", list(Activation), ids=lambda m: m.label)
 def test_kernel_code_computes_the_member_in_float64(member, device):
-    # The code the launcher passes selects the formula the table names (the Triton path, float64).
-    # Loose bounds: this pins which formula runs (test_add_act checks accuracy); the kernel takes
-    # the slope as a float32 scalar, and computes gelu_tanh as z * sigmoid(2u).
+    # The code the launcher passes selects the formula the table names (the Triton path, float64), to
+    # float64 accuracy: the slope reaches the kernel split in two float32 numbers (test_float_args.py).
+    # atol: torch's float64 gelu_tanh, 0.5 z (1 + tanh u), cancels below z ~ -5 (the kernels' does not).
     slope = 0.2 if member.takes_slope else None
     z = (torch.randn(2, 33, dtype=torch.float64, device=device) * 3).requires_grad_()
     with tfuse.use_backend("triton"), tfuse.count_launches() as launches:
@@ -226,9 +226,13 @@ def test_kernel_code_computes_the_member_in_float64(member, device):
         (dz,) = torch.autograd.grad(y, z, torch.ones_like(y))
     assert launches.total >= 1
     expected = reference(member.label, 0.2)(z.detach())
-    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-12)
+    if member is Activation.HARDSIGMOID:  # torch's float64 hardsigmoid is 3e-8 off too (float32 constants)
+        expected = F.relu6(z.detach() + 3) / 6
+    torch.testing.assert_close(y, expected, rtol=1e-13, atol=1e-14)
     (expected_dz,) = torch.autograd.grad(reference(member.label, 0.2)(z), z, torch.ones_like(y))
-    torch.testing.assert_close(dz, expected_dz, rtol=1e-6, atol=1e-12)
+    if member is Activation.HARDSIGMOID:  # and its backward multiplies by a float32 1/6
+        expected_dz = ((z > -3) & (z < 3)).to(z.dtype) / 6
+    torch.testing.assert_close(dz, expected_dz, rtol=1e-13, atol=1e-14)
 
 
 def test_kernel_constants_are_their_definitions():

@@ -19,6 +19,9 @@ functions here never need.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from tfuse._backend import interpreter_active
@@ -84,3 +87,20 @@ def emulate_bf16_rtne() -> bool:
     always get False and keep the native conversion.
     """
     return interpreter_active()
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@functools.lru_cache(maxsize=256)
+def split_float(value: float) -> tuple[float, float]:
+    """``value`` as two float32 numbers whose sum keeps ~48 bits: Triton passes Python floats as float32.
+
+    Kernels rejoin them with ``kernels.kit._float_arg`` (hi + lo in float64
+    kernels, hi alone in float32 ones), so a float64 kernel's slope, eps or
+    momentum is not rounded to 24 bits on the way in.
+    """
+    if not abs(value) <= _FLOAT32_MAX:  # inf, NaN, or beyond float32: the kernel sees inf (or NaN) either way
+        return value, 0.0
+    hi = float(np.float32(value))
+    return hi, float(np.float32(value - hi))

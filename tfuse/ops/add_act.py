@@ -24,7 +24,16 @@ import torch
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, log_backend_once, select_backend
-from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
+from tfuse._kit import (
+    NUM_WARPS,
+    acc_dtype,
+    acc_fp64,
+    emulate_bf16_rtne,
+    needs_int64,
+    next_power_of_2,
+    num_warps,
+    split_float,
+)
 from tfuse._launch import gpu_sm_count, launch, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
@@ -233,7 +242,7 @@ def add_act_forward(tensors: Sequence[torch.Tensor], dtype: torch.dtype, spec: _
             plan.col_divs,
             plan.n_rows,
             plan.n_cols,
-            spec.negative_slope,
+            *split_float(spec.negative_slope),
         ),
         dict(
             N_INPUTS=len(tensors),
@@ -356,7 +365,15 @@ def _backward_triton(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor],
     launch(
         kernels._add_act_bwd_kernel,
         bwd.grid,
-        (grad_out, bwd.dy_strides, sources, bwd.src_strides, tuple(partials), *bwd.static_args, spec.negative_slope),
+        (
+            grad_out,
+            bwd.dy_strides,
+            sources,
+            bwd.src_strides,
+            tuple(partials),
+            *bwd.static_args,
+            *split_float(spec.negative_slope),
+        ),
         bwd.meta,
         device,
     )

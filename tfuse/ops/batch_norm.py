@@ -36,7 +36,16 @@ import torch.nn.functional as F
 
 from tfuse import _launch, kernels
 from tfuse._backend import Backend, log_backend_once, select_backend
-from tfuse._kit import NUM_WARPS, acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps
+from tfuse._kit import (
+    NUM_WARPS,
+    acc_dtype,
+    acc_fp64,
+    emulate_bf16_rtne,
+    needs_int64,
+    next_power_of_2,
+    num_warps,
+    split_float,
+)
 from tfuse._launch import launch, launch_cached, resident_programs, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation
@@ -673,12 +682,15 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
                 weight if weight is not None else buf,
                 bias if bias is not None else buf,
                 *plan.final.ints,
-                spec.eps,
-                spec.momentum,
+                *split_float(spec.eps),
+                *split_float(spec.momentum),
             ),
             device,
         )
-        normalise((x, res, y, buf, buf, buf, buf, *normalise.ints, spec.eps, spec.negative_slope), device)
+        normalise(
+            (x, res, y, buf, buf, buf, buf, *normalise.ints, *split_float(spec.eps), *split_float(spec.negative_slope)),
+            device,
+        )
         return y, buf, plan
     normalise(
         (
@@ -690,8 +702,8 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
             weight if weight is not None else running_mean,
             bias if bias is not None else running_mean,
             *normalise.ints,
-            spec.eps,
-            spec.negative_slope,
+            *split_float(spec.eps),
+            *split_float(spec.negative_slope),
         ),
         device,
     )
@@ -739,8 +751,8 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
             geometry.ss,
             geometry.group_width,
             1,
-            spec.eps,
-            spec.negative_slope,
+            *split_float(spec.eps),
+            *split_float(spec.negative_slope),
         ),
         reduce_meta,
         x.device,
@@ -868,8 +880,8 @@ def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, run
             dx if dx is not None else placeholder,
             dres if dres is not None else placeholder,
             *bwd.reduce.ints,
-            spec.eps,
-            spec.negative_slope,
+            *split_float(spec.eps),
+            *split_float(spec.negative_slope),
         ),
         device,
     )
@@ -886,7 +898,16 @@ def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, run
         )
     if bwd.dx is not None:
         bwd.dx(
-            (dy, dres if bwd.from_dz else src_arg, x, buf, dx, placeholder, *bwd.dx.ints, spec.negative_slope),
+            (
+                dy,
+                dres if bwd.from_dz else src_arg,
+                x,
+                buf,
+                dx,
+                placeholder,
+                *bwd.dx.ints,
+                *split_float(spec.negative_slope),
+            ),
             device,
         )
     return dx, dweight, dbias, dres

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from tfuse import kernels
 from tfuse._backend import Backend, interpreter_active, log_backend_once, requested_backend, select_backend
-from tfuse._kit import acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2
+from tfuse._kit import acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, split_float
 from tfuse._launch import launch, target_programs
 from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
 from tfuse.ops._checks import check_float_dtype
@@ -540,7 +540,7 @@ def _largest_offset(tensors: Sequence[torch.Tensor], block: int, block_c: int, s
 
 def _scalars(spec: ConvSpec) -> tuple:
     """The runtime geometry and slopes every kernel takes (strides are compile-time: STRIDE_H/W)."""
-    return (*spec.padding, *spec.dilation, spec.negative_slope, spec.negative_slope)
+    return (*spec.padding, *spec.dilation, *split_float(spec.negative_slope))
 
 
 def _static_meta(spec: ConvSpec, kernel: tuple[int, int], dtype: torch.dtype) -> dict:

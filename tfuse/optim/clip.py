@@ -46,7 +46,7 @@ from torch.utils._foreach_utils import (
 
 from tfuse import kernels
 from tfuse._backend import Backend, select_backend
-from tfuse._kit import acc_dtype, emulate_bf16_rtne, num_warps
+from tfuse._kit import acc_dtype, emulate_bf16_rtne, num_warps, split_float
 from tfuse._launch import launch
 from tfuse.flat import FlatParams, flat_params_of
 from tfuse.kernels import codes
@@ -181,7 +181,7 @@ def clip_grad_norm_(
             "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             "`error_if_nonfinite=False`"
         )
-    max_hi, max_lo = _split_float(max_norm)
+    max_hi, max_lo = split_float(max_norm)
     for device, work in on_device.items():
         norm = total if total.device == device else total.to(device)
         for segment, table in work:
@@ -213,18 +213,6 @@ def _check_norm_type(norm_type: float | str) -> float:
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be a positive number or 'inf', got {norm_type!r}")
     return float(norm_type)
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-@functools.lru_cache(maxsize=64)
-def _split_float(value: float) -> tuple[float, float]:
-    """``value`` as two float32 numbers whose sum keeps ~48 bits (kernels take float arguments as float32)."""
-    if not abs(value) <= _FLOAT32_MAX:  # inf, NaN, or beyond float32: the kernel sees inf (or NaN) either way
-        return value, 0.0
-    hi = float(np.float32(value))
-    return hi, float(np.float32(value - hi))
 
 
 # ---------------------------------------------------------------------------------------------- cached layout
@@ -424,7 +412,7 @@ def _flat_norm(
     """Norm of the flat segments on ``device``: one partial kernel per segment, one final kernel."""
     acc = acc_dtype(*(segment.dtype for segment, _ in work))
     kind = _NORM_KINDS.get(p, codes.NORM_P)
-    p_hi, p_lo = _split_float(p if math.isfinite(p) else 1.0)
+    p_hi, p_lo = split_float(p if math.isfinite(p) else 1.0)
     n_partials = sum(table.n_blocks for _, table in work)
     partials = torch.empty(max(n_partials, 1), dtype=acc, device=device)
     offset = 0
