@@ -31,11 +31,12 @@ BACKENDS = ["triton", "torch"]
 SLOPE = 0.2  # leaky_relu's slope (not a float32 number: the kernels take it split in two, test_float_args.py)
 
 
-def ref_activation(name: str):
+def ref_activation(name: str, torch_formulas: bool = False):
     """torch's activation, except two whose float64 torch formulas are less exact than the kernels': gelu_tanh as
-    z * sigmoid(2u) (equal to torch's 0.5 z (1 + tanh(u)), which cancels for negative z) and hardsigmoid's
-    derivative (see tfuse.ops._activations._hardsigmoid_backward)."""
-    if name == "gelu_tanh":
+    z * sigmoid(2u) (equal to torch's 0.5 z (1 + tanh(u)), which cancels for negative z; ``torch_formulas``
+    keeps torch's, which the PyTorch path runs) and hardsigmoid's derivative (see
+    tfuse.ops._activations._hardsigmoid_backward)."""
+    if name == "gelu_tanh" and not torch_formulas:
         return lambda z: z * torch.sigmoid(2 * 0.7978845608028654 * (z + 0.044715 * z**3))
     if name == "hardsigmoid":  # torch's float64 hardsigmoid backward multiplies by a float32 1/6
         return lambda z: F.relu6(z + 3) / 6
@@ -60,45 +61,57 @@ def make_case(shape, kernel, dtype, device, layout="contiguous", bias=True):
     return x, weight, b
 
 
-def reference(x, weight, bias, stride, padding, dilation, act_in, act_out):
+def reference(x, weight, bias, stride, padding, dilation, act_in, act_out, torch_formulas=False):
     """float64 act_out(conv2d(act_in(x))) and the magnitude sum |act_in(x)| * |w| + |b| of its terms."""
     x64, w64 = x.double(), weight.double()
     b64 = bias.double() if bias is not None else None
-    a = ref_activation(act_in)(x64)
+    a = ref_activation(act_in, torch_formulas)(x64)
     z = F.conv2d(a, w64, b64, stride, padding, dilation, x.shape[1])
     magnitude = F.conv2d(a.abs(), w64.abs(), b64.abs() if b64 is not None else None, stride, padding, dilation,
                          x.shape[1])
-    return ref_activation(act_out or "identity")(z), z, magnitude
+    return ref_activation(act_out or "identity", torch_formulas)(z), z, magnitude
 
 
-def error_bound(result_dtype: torch.dtype, exact: torch.Tensor, magnitude: torch.Tensor, n_terms: int) -> torch.Tensor:
+#: Activations computed through exp of an argument a (gelu_tanh's a = 2u reaches 80 where it is capped): the
+#: rounding of a becomes |a| ulps of exp(-a), in the kernels and in any float64 reference alike.
+EXP_ACTIVATIONS = {"gelu_tanh", "silu", "sigmoid", "mish", "elu", "gelu", "tanh"}
+
+
+def error_bound(result_dtype: torch.dtype, exact: torch.Tensor, magnitude: torch.Tensor, n_terms: int,
+                act_ulps: int = 16) -> torch.Tensor:
     """One rounding to the result dtype plus float32 (float64) accumulation of n_terms, each from an
-    activation (or its derivative) evaluated within 16 ulps of the accumulator (kernels/activations.py;
-    torch's own float64 formulas are no closer)."""
+    activation (or its derivative) evaluated within ``act_ulps`` ulps of the accumulator
+    (kernels/activations.py; torch's own float64 formulas are no closer)."""
     acc = torch.float64 if result_dtype == torch.float64 else torch.float32
     finfo = torch.finfo(result_dtype)
-    bound = unit_roundoff(result_dtype) * exact.abs() + (n_terms + 16) * unit_roundoff(acc) * magnitude
+    bound = unit_roundoff(result_dtype) * exact.abs() + (n_terms + act_ulps) * unit_roundoff(acc) * magnitude
     return 2 * bound + finfo.tiny * finfo.eps
 
 
-def check_forward(y, x, weight, bias, stride, padding, dilation, act_in, act_out):
-    ref, z, magnitude = reference(x, weight, bias, stride, padding, dilation, act_in, act_out)
+def activation_ulps(*acts: str | None) -> int:
+    return 96 if EXP_ACTIVATIONS & set(acts) else 16
+
+
+def check_forward(y, x, weight, bias, stride, padding, dilation, act_in, act_out, torch_formulas=False):
+    ref, z, magnitude = reference(x, weight, bias, stride, padding, dilation, act_in, act_out, torch_formulas)
     assert y.shape == ref.shape and y.dtype == x.dtype
     if act_out in (None, "identity", "relu"):
-        bound = error_bound(y.dtype, ref, magnitude, weight.shape[2] * weight.shape[3] + 1)
+        bound = error_bound(y.dtype, ref, magnitude, weight.shape[2] * weight.shape[3] + 1,
+                            activation_ulps(act_in, act_out))
     else:  # the epilogue's derivative is at most ~1.1 (gelu, silu, mish...): scale the bound of z
-        bound = 1.2 * error_bound(y.dtype, z, magnitude, weight.shape[2] * weight.shape[3] + 1)
+        bound = 1.2 * error_bound(y.dtype, z, magnitude, weight.shape[2] * weight.shape[3] + 1,
+                                  activation_ulps(act_in, act_out))
         bound += 8 * unit_roundoff(torch.float32 if y.dtype != torch.float64 else torch.float64) * ref.abs()
     _assert_within((y.double() - ref).abs(), bound, "forward: ")
 
 
-def reference_grads(x, weight, bias, gy, stride, padding, dilation, act_in, act_out):
+def reference_grads(x, weight, bias, gy, stride, padding, dilation, act_in, act_out, torch_formulas=False):
     """float64 gradients and the magnitudes of their sums' terms."""
     x64 = x.detach().double().requires_grad_()
     w64 = weight.detach().double().requires_grad_()
     b64 = bias.detach().double().requires_grad_() if bias is not None else None
     leaves = [x64, w64] + ([b64] if b64 is not None else [])
-    y, _, _ = reference(x64, w64, b64, stride, padding, dilation, act_in, act_out)
+    y, _, _ = reference(x64, w64, b64, stride, padding, dilation, act_in, act_out, torch_formulas)
     grads = torch.autograd.grad(y, leaves, gy.double())
     # Magnitudes: the same sums over |terms| (gz bounded by |gy| * max|act_out'| <= 1.2 |gy|).
     absolute = [t.detach().abs().requires_grad_() for t in leaves]
@@ -109,13 +122,14 @@ def reference_grads(x, weight, bias, gy, stride, padding, dilation, act_in, act_
     return grads, mags
 
 
-def check_backward(grads, x, weight, bias, gy, stride, padding, dilation, act_in, act_out):
-    ref, mags = reference_grads(x, weight, bias, gy, stride, padding, dilation, act_in, act_out)
+def check_backward(grads, x, weight, bias, gy, stride, padding, dilation, act_in, act_out, torch_formulas=False):
+    ref, mags = reference_grads(x, weight, bias, gy, stride, padding, dilation, act_in, act_out, torch_formulas)
     n, _, oh, ow = gy.shape
     terms = [weight.shape[2] * weight.shape[3] + 1, n * oh * ow, n * oh * ow]
     for name, g, r, m, k in zip(("dx", "dweight", "dbias"), grads, ref, mags, terms):
         assert g.shape == r.shape and g.dtype == x.dtype, name
-        _assert_within((g.double() - r).abs(), error_bound(g.dtype, r, m, k), f"{name}: ")
+        bound = error_bound(g.dtype, r, m, k, activation_ulps(act_in, act_out))
+        _assert_within((g.double() - r).abs(), bound, f"{name}: ")
 
 
 def run(x, weight, bias, stride=1, padding=0, dilation=1, act_in="relu", act_out=None, gy=None):
@@ -167,8 +181,10 @@ def test_every_input_activation(backend, device, act_in):
     x, weight, bias = make_case((1, 3, 6, 7), (3, 3), torch.float64, device)
     x = x * 4  # reach the corners of relu6, hardtanh, hardswish, hardsigmoid
     y, gy, grads = run(x, weight, bias, 2, 1, 1, act_in=act_in)
-    check_forward(y, x, weight, bias, 2, 1, 1, act_in, None)
-    check_backward(grads, x, weight, bias, gy, 2, 1, 1, act_in, None)
+    # The PyTorch path computes with torch's formulas: its gelu_tanh derivative cancels in float64 for large |z|.
+    torch_formulas = backend == "torch"
+    check_forward(y, x, weight, bias, 2, 1, 1, act_in, None, torch_formulas)
+    check_backward(grads, x, weight, bias, gy, 2, 1, 1, act_in, None, torch_formulas)
 
 
 EPILOGUES = [  # every derivative path of the epilogue (from the output: select, multiply; from z), each in one layout

@@ -720,7 +720,7 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_l
             KH=kernel[0],
             KW=kernel[1],
             HAS_BIAS=has_bias,
-            ACC_FP64=meta["ACC_FP64"],
+            ACC_FP64=acc_fp64(x.dtype),
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
             BLOCK=_FINAL_BLOCK,
         ),
