@@ -224,10 +224,10 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, res
                 accuracy = trainer.evaluate(test_x, test_y)
                 if chatty:
                     print(
-                        f"\r[{trainer.name:13}] epoch {epoch + 1}/{args.epochs}: held-out accuracy "
+                        ("\r" if _ON_TERMINAL else "")
+                        + f"[{trainer.name:13}] epoch {epoch + 1}/{args.epochs}: held-out accuracy "
                         f"{accuracy:.1%}, median step {statistics.median(trainer.step_ms[-steps_per_epoch:]):.1f} ms"
-                        + " "
-                        * 20
+                        + (" " * 20 if _ON_TERMINAL else "")
                     )
         if chatty:
             result = _result(trainers, fused, world, use_cuda, args)
@@ -239,13 +239,20 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, res
 
 
 def _progress(trainer: Trainer, epoch: int, step: int, steps: int, loss: float) -> None:
+    """A progress bar redrawn in place on a terminal; in a log file or a pipe, four whole lines per epoch."""
     done = int(20 * (step + 1) / steps)
-    print(
-        f"\r[{trainer.name:13}] epoch {epoch + 1} [{'#' * done}{'.' * (20 - done)}] step {step + 1}/{steps} "
-        f"loss {loss:.4f} step {trainer.step_ms[-1]:.1f} ms",
-        end="",
-        flush=True,
+    line = (
+        f"[{trainer.name:13}] epoch {epoch + 1} [{'#' * done}{'.' * (20 - done)}] step {step + 1}/{steps} "
+        f"loss {loss:.4f} step {trainer.step_ms[-1]:.1f} ms"
     )
+    if _ON_TERMINAL:
+        print("\r" + line, end="", flush=True)
+    elif (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
+        print(line, flush=True)
+
+
+#: Whether stdout is a terminal (carriage returns redraw the bar) rather than a log file or a pipe.
+_ON_TERMINAL = sys.stdout.isatty()
 
 
 def _result(trainers: list[Trainer], fused: Any, world: int, cuda: bool, args: argparse.Namespace) -> dict:
