@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile"]
+ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile", "e2e"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -492,3 +492,14 @@ def test_compile_benchmark(quick_run):
         ("mlp", "eager torch"), ("mlp", "compiled torch"), ("mlp", "eager tfuse"), ("mlp", "compiled tfuse")]
     assert rows[0]["x faster than eager torch"] == "1.00" and rows[1]["x faster than compiled torch"] == "1.00"
     _time_cells(rows, "ms / step")
+
+
+def test_e2e_benchmark(quick_run):
+    """--quick: the first group (a tiny ResNet-50, NCHW) on the CPU: eager and tfuse's PyTorch path, same losses."""
+    table, rows = _table(quick_run, "e2e")
+    assert [(row["model"], row["variant"]) for row in rows] == [("resnet50", "eager"), ("resnet50", "tfuse")]
+    assert all(row["check"] == "ok" for row in rows)  # each variant's first two losses agree with eager's
+    assert rows[0]["x eager"] == "1.00" and "not the performance of tfuse's GPU path" in table
+    for row in rows:
+        assert float(row["wall ms/step"]) > 0 and float(row["host ms/step"]) > 0
+

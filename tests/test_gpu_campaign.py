@@ -37,30 +37,27 @@ def test_both_calls_run_dry_and_bring_back_at_most_8_files(tmp_path):
 
     files = [p for p in list(out1.rglob("*")) + list(out2.rglob("*")) if p.is_file()]
     assert len(files) <= MAX_FILES_BACK, sorted(p.name for p in files)
-    assert sorted(p.name for p in out1.iterdir()) == ["env.txt", "junit.xml", "micro.json", "micro.log", "pytest.log"]
-    assert sorted(p.name for p in out2.iterdir()) == ["bench.log", "bench.tgz", "ncu.txt"]
+    assert sorted(p.name for p in out1.iterdir()) == ["e2e.jsonl", "e2e.log", "env.txt"]
+    assert sorted(p.name for p in out2.iterdir()) == ["bench.log", "junit.xml", "micro.json", "micro.log", "pytest.log"]
 
-    # call 1: the test selection collects, and the micro-benchmark ran every family with passing checks.
-    env_txt = (out1 / "env.txt").read_text()
-    assert "pytest exit 0" in env_txt and "micro exit 0" in env_txt, env_txt
-    collected = (out1 / "pytest.log").read_text()
-    assert "test_distributed" not in collected and "test_batch_norm_act" in collected
-    data = json.loads((out1 / "micro.json").read_text())
-    families = {row["family"] for row in data["results"]}
-    assert {"copy", "add", "add_act", "bn_act", "optim", "clip"} <= families
+    # call 1: the end-to-end benchmark streamed its rows (eager and tfuse for each model), every loss check ok.
+    assert "e2e [tfuse] exit 0" in (out1 / "env.txt").read_text()
+    rows = [json.loads(line) for line in (out1 / "e2e.jsonl").read_text().splitlines()]
+    measured = [row for row in rows if row.get("kind") != "meta"]
+    assert {(row["model"], row["variant"]) for row in measured} >= {
+        (model, variant) for model in ("resnet50", "mobilenet_v2", "gpt2") for variant in ("eager", "tfuse")}
+    assert all(row.get("loss_check") == "ok" for row in measured), measured
+    assert "| resnet50 |" in (out1 / "e2e.log").read_text()  # the rendered table
+
+    # call 2: the test selection collects, and the micro-benchmark ran its families with passing checks.
+    bench = (out2 / "bench.log").read_text()
+    assert "pytest exit 0" in bench and "micro exit 0" in bench, bench
+    collected = (out2 / "pytest.log").read_text()
+    assert "tests/test_batch_norm_act.py::" in collected
+    assert "tests/test_distributed.py::" not in collected and "tests/test_add_act.py::" not in collected
+    data = json.loads((out2 / "micro.json").read_text())
+    assert {row["family"] for row in data["results"]} >= {"bn_act", "optim", "clip", "host"}
     assert not [row for row in data["results"] if "error" in row or row.get("ok") is False]
-
-    # call 2: a benchmark table in the archive, and an ncu command per kernel (printed, not run).
-    listing = subprocess.run(["tar", "tzf", str(out2 / "bench.tgz")], capture_output=True, text=True, check=True).stdout
-    assert "tables/add-cpu.md" in listing
-    ncu = (out2 / "ncu.txt").read_text()
-    assert ncu.count("dry run: timeout") == 7 and "-k regex:^_adam_kernel$" in ncu
-
-
-def test_call2_refuses_a_kernel_name_that_no_longer_exists(tmp_path):
-    result = _run_dry("call2.sh", tmp_path, NCU_KERNELS="_adam_kernel _renamed_kernel")
-    assert result.returncode == 1
-    assert "not in tfuse.kernels: ['_renamed_kernel']" in (tmp_path / "ncu.txt").read_text()
 
 
 def test_the_micro_table_flags_a_failed_check(tmp_path):

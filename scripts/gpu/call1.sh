@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# GPU campaign, call 1 of 2: environment, editable install, the CUDA test suite, per-family micro-benchmarks.
+# GPU campaign, call 1 of 2: versions, editable install, the end-to-end training-step benchmark.
 #
-#   bash scripts/gpu/call1.sh          # on the GPU machine, from the repository root (timeout_s=590; ~6-9 min)
-#   bash scripts/gpu/call1.sh --dry    # on a CPU machine: checks this script in seconds (collects the tests,
-#                                      # runs the micro-benchmark at tiny shapes on the PyTorch path)
+#   bash scripts/gpu/call1.sh          # on the GPU machine, from the repository root (timeout_s = CALL_LIMIT + 10)
+#   bash scripts/gpu/call1.sh --dry    # on a CPU machine: the same phases in seconds (tiny models, PyTorch path)
 #
-# Writes to $OUT (5 of the 8 files a device call may bring back):
-#   env.txt     versions, GPU, install result, each phase's exit status and time, fuse_model on the model zoo
-#   pytest.log  the test run (-rfE: failing test names even when the run is cut short)
-#   junit.xml   the same as JUnit XML
-#   micro.log   the micro-benchmark's output (table last)
-#   micro.json  the micro-benchmark's numbers
+# Each phase runs in its own process, so that a fault that ends a CUDA context (an illegal address in a
+# captured graph, say) costs that phase only. Planned time with CALL_LIMIT=380 (default), each phase cut at its
+# share by SIGINT (Python unwinds; the rows already written stay):
+#   ~25 s   install and versions
+#   ~150 s  eager vs tfuse, every model, batch size and layout (45% of what is left)
+#   ~60 s   each whole-step CUDA graph checked small (graph_check.py, one process per variant); on a fault,
+#           compute-sanitizer names the kernel (up to 100 s)
+#   rest    eager vs each graph variant that passed its check, then torch.compile with what is left
+#
+# Writes to $OUT (3 of the 8 files the two calls bring back):
+#   env.txt     date, GPU, install result, versions, each phase's exit status and time
+#   e2e.jsonl   one JSON line per measured row, written as each group of variants finishes (a cut run keeps them)
+#   e2e.log     every phase's output, the graph checks, the rendered table last
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dry=0; [ "${1:-}" = "--dry" ] && dry=1
 out=${OUT:-$(mktemp -d)}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+limit=${CALL_LIMIT:-380}
+left() { echo $(( limit - SECONDS )); }
+log() { echo "$* after ${SECONDS}s" | tee -a "$out/env.txt"; }
 
 {
   date -u
@@ -25,26 +34,43 @@ py=${PYTHON:-python3}
     "$py" -m pip install -q --no-build-isolation --no-deps -e . && echo "editable install ok"
   fi
   "$py" -c "import sys,torch,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'triton',triton.__version__,'cuda',torch.cuda.is_available())"
-  "$py" -m pip list 2>/dev/null | grep -i -E '^(pytest|pytest-xdist|pytest-timeout|numpy|matplotlib) ' || true
+  "$py" -c "import torchvision; print('torchvision', torchvision.__version__)" 2>&1 | tail -n 1
 } > "$out/env.txt" 2>&1
+log "setup done"
 
-# CUDA-relevant tests only: the distributed and packaging tests run on the CPU anyway (CI runs them), and
-# the benchmark smoke tests spend minutes in torch.compile. -n 8 spreads the ~950 Triton compilations.
-pytest_args=(-p no:cacheprovider -rfE --durations=25 --junitxml="$out/junit.xml" tests
-             --ignore=tests/test_benchmarks.py --ignore=tests/test_packaging.py --ignore=tests/test_distributed.py)
-"$py" -c "import xdist" 2>/dev/null && [ "$dry" = 0 ] && pytest_args+=(-n 8)
-"$py" -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout=240)
-[ "$dry" = 1 ] && pytest_args+=(--collect-only -q)
-timeout 360 "$py" -m pytest "${pytest_args[@]}" > "$out/pytest.log" 2>&1
-echo "pytest exit $? after ${SECONDS}s" | tee -a "$out/env.txt"
+e2e() {  # e2e BUDGET VARIANTS...: one process, interrupted 20 s after its budget
+  local budget=$1; shift
+  local args=(--jsonl "$out/e2e.jsonl" --budget "$budget" --variants "$*"); [ "$dry" = 1 ] && args+=(--dry)
+  echo "== e2e --variants $*" >> "$out/e2e.log"
+  timeout -s INT $((budget + 20)) "$py" -m benchmarks.e2e "${args[@]}" >> "$out/e2e.log" 2>&1
+  log "e2e [$*] exit $?"
+}
 
-# fuse_model on torchvision/timm networks (the GPU image has both; a CPU without them prints "skipped").
-{ echo "== fuse_model on the model zoo"; timeout 90 "$py" scripts/gpu/fuse_zoo.py 2>&1 | tail -n 20; } >> "$out/env.txt"
-echo "zoo done after ${SECONDS}s" | tee -a "$out/env.txt"
+e2e $(( $(left) * 45 / 100 )) tfuse
 
-micro_args=(); [ "$dry" = 1 ] && micro_args+=(--dry)
-OUT="$out" timeout $((560 - SECONDS)) "$py" -m benchmarks.micro "${micro_args[@]}" > "$out/micro.log" 2>&1
-status=$?
-echo "micro exit $status after ${SECONDS}s" | tee -a "$out/env.txt"
-tail -n 45 "$out/micro.log"; tail -n 15 "$out/pytest.log"
-exit $status
+passed=()
+if [ "$dry" = 0 ]; then
+  for variant in "tfuse + CUDA graph" "eager + CUDA graph"; do
+    echo "== graph check: $variant" >> "$out/e2e.log"
+    timeout -s INT 90 "$py" scripts/gpu/graph_check.py "$variant" > "$out/check.txt" 2>&1
+    rc=$?; cat "$out/check.txt" >> "$out/e2e.log"
+    if [ "$rc" = 0 ]; then
+      passed+=("$variant")
+    elif grep -q FAULT "$out/check.txt" && command -v compute-sanitizer > /dev/null && [ "$(left)" -gt 150 ]; then
+      echo "== compute-sanitizer: $variant (batch 2, 32x32)" >> "$out/e2e.log"
+      timeout -s INT 100 compute-sanitizer --tool memcheck --print-limit 3 "$py" scripts/gpu/graph_check.py \
+        "$variant" --batch 2 --size 32 2>&1 | grep -v "^=========     " | head -n 60 >> "$out/e2e.log"
+    fi
+    rm -f "$out/check.txt"
+    log "graph check [$variant] done"
+  done
+fi
+for variant in "${passed[@]}"; do
+  e2e $(( $(left) / 2 - 10 )) "$variant"
+done
+[ "$(left)" -gt 120 ] && [ "$dry" = 0 ] && e2e $(( $(left) - 25 )) torch.compile
+
+"$py" -m benchmarks.e2e --render "$out/e2e.jsonl" >> "$out/e2e.log" 2>&1
+grep -E "^\[e2e|graph_check|Error|========= (Invalid|  at|Program)" "$out/e2e.log" | cut -c1-300 | tail -n 40
+"$py" -m benchmarks.e2e --render "$out/e2e.jsonl" | grep -E "^\|" | cut -c1-230
+exit 0

@@ -1,50 +1,59 @@
 #!/usr/bin/env bash
-# GPU campaign, call 2 of 2: the benchmark tables (without torch.compile) and hardware counters (ncu) of
-# the kernels the static roofline singles out.
+# GPU campaign, call 2 of 2: the CUDA tests of what has not run on a GPU yet, fuse_model on the model zoo,
+# the micro-benchmark of the host-heavy families, and the depthwise benchmark.
 #
-#   bash scripts/gpu/call2.sh          # on the GPU machine, right after call 1 (timeout_s=590; ~9 min)
-#   bash scripts/gpu/call2.sh --dry    # on a CPU machine (seconds): one quick benchmark through the interpreter,
-#                                      # the ncu commands printed instead of run
+#   bash scripts/gpu/call2.sh          # on the GPU machine, right after call 1 (timeout_s=CALL_LIMIT+10, 300)
+#   bash scripts/gpu/call2.sh --dry    # on a CPU machine (seconds): collects the tests, tiny shapes elsewhere
 #
-# Writes to $OUT (3 of the 8 files a device call may bring back):
-#   bench.log   every benchmark's output
-#   bench.tgz   the tables and plots (benchmarks/results form: <name>-<gpu>.md/.png)
-#   ncu.txt     Nsight Compute sections for one launch of each suspected kernel
+# Planned time, with CALL_LIMIT=290 (default; each phase is cut at its share, SIGINT keeps what it wrote):
+# install ~10 s; pytest up to 150 s; the zoo up to 35 s; benchmarks.micro (bn, clip, optim, host) up to 60 s;
+# python -m benchmarks --only depthwise with what is left.
+#
+# Writes to $OUT (5 of the 8 files the two calls bring back):
+#   pytest.log  the test run (-rfE: failing tests named even when the run is cut)
+#   junit.xml   the same as JUnit XML
+#   micro.log   the micro-benchmark's output (table last)
+#   micro.json  its numbers
+#   bench.log   phases' exit status and times, the zoo's lines, the depthwise table
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dry=0; [ "${1:-}" = "--dry" ] && dry=1
-out=${OUT:-$(mktemp -d)}; mkdir -p "$out/tables"
+out=${OUT:-$(mktemp -d)}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-# The kernels to read hardware counters of (one launch each, in the micro-benchmark of their family).
-NCU_KERNELS=${NCU_KERNELS:-"_bn_stats_partial_kernel _bn_act_bwd_reduce_kernel _bn_act_fwd_kernel _add_act_fwd_kernel _add_act_bwd_kernel _adam_kernel _clip_segments_kernel"}
+limit=${CALL_LIMIT:-290}
+left() { echo $(( limit - SECONDS )); }
 [ "$dry" = 0 ] && "$py" -m pip install -q --no-build-isolation --no-deps -e . > /dev/null 2>&1
 
-# depthwise first: its per-shape-class verdicts (Triton against eager + cuDNN) fill
-# tfuse.ops.depthwise.EAGER_SHAPE_CLASSES, and no GPU table of it exists yet (the others have one).
-bench_args=(--no-compile --out "$out/tables"); benches=(depthwise add add_act bn_act optim linear compile)
-[ "$dry" = 1 ] && { bench_args+=(--quick); benches=(add); }
-for b in "${benches[@]}"; do
-  left=$((330 - SECONDS)); [ "$left" -gt 20 ] || { echo "skip $b: out of time" >> "$out/bench.log"; continue; }
-  timeout "$left" "$py" -m benchmarks --only "$b" "${bench_args[@]}" >> "$out/bench.log" 2>&1
-  echo "== $b exit $? at ${SECONDS}s" >> "$out/bench.log"
-done
-tar czf "$out/bench.tgz" -C "$out" tables && rm -rf "$out/tables"
+# What the GPU has not run yet: CUDA graphs and compile, depthwise, batch norm, optimizers, clip, flat buffers,
+# fuse_model and setup. test_add*.py ran on the first GPU run and spends minutes compiling: left out.
+tests=(tests/test_compile.py tests/test_depthwise.py tests/test_batch_norm_act.py tests/test_ops_batch_norm_args.py
+       tests/test_optim.py tests/test_optim_core.py tests/test_optim_state.py tests/test_optim_low_precision.py
+       tests/test_optim_copies.py tests/test_optim_api.py tests/test_clip_grad_norm.py tests/test_flat.py
+       tests/test_flat_layout.py tests/test_flat_storage.py tests/test_flat_copies.py tests/test_fuse_model.py
+       tests/test_setup.py tests/test_nn_modules.py)
+pytest_args=(-p no:cacheprovider -rfE -q --durations=15 --junitxml="$out/junit.xml" "${tests[@]}")
+"$py" -c "import xdist" 2>/dev/null && [ "$dry" = 0 ] && pytest_args+=(-n 16 --dist load)
+"$py" -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout=120)
+[ "$dry" = 1 ] && pytest_args+=(--collect-only)
+cap=$(( $(left) * 150 / 290 ))
+timeout -s INT "$cap" "$py" -m pytest "${pytest_args[@]}" > "$out/pytest.log" 2>&1
+echo "pytest exit $? after ${SECONDS}s" | tee -a "$out/bench.log"
 
-: > "$out/ncu.txt"
-# A renamed kernel would make ncu profile nothing: check the names first (a dry run fails on it).
-if ! "$py" -c "import sys, tfuse.kernels as k; m=[n for n in sys.argv[1:] if not hasattr(k, n)]; sys.exit(f'not in tfuse.kernels: {m}' if m else 0)" $NCU_KERNELS >> "$out/ncu.txt" 2>&1; then
-  cat "$out/ncu.txt"; [ "$dry" = 1 ] && exit 1
+{ echo "== fuse_model on the model zoo"; timeout -s INT 35 "$py" scripts/gpu/fuse_zoo.py 2>&1 | tail -n 20; } >> "$out/bench.log"
+echo "zoo done after ${SECONDS}s" | tee -a "$out/bench.log"
+
+micro_args=(--only bn,clip,optim,host --json "$out/micro.json"); [ "$dry" = 1 ] && micro_args+=(--dry)
+timeout -s INT 60 "$py" -m benchmarks.micro "${micro_args[@]}" > "$out/micro.log" 2>&1
+echo "micro exit $? after ${SECONDS}s" | tee -a "$out/bench.log"
+
+bench_args=(--only depthwise --no-compile --out /tmp/tfuse-tables); [ "$dry" = 1 ] && bench_args+=(--quick)
+if [ "$(left)" -gt 20 ]; then
+  timeout -s INT "$(left)" "$py" -m benchmarks "${bench_args[@]}" >> "$out/bench.log" 2>&1
+  echo "depthwise exit $? after ${SECONDS}s" | tee -a "$out/bench.log"
+else
+  echo "depthwise skipped: out of time" | tee -a "$out/bench.log"
 fi
-# One launch of each kernel; --clock-control none leaves the GPU's clocks as they are. A dry run prints the commands.
-ncu_run() { if [ "$dry" = 1 ]; then echo "dry run: $*" >> "$out/ncu.txt"; else "$@" >> "$out/ncu.txt" 2>&1; fi; }
-for k in $NCU_KERNELS; do
-  case $k in _bn*) fam=bn;; _add_act*) fam=add_act;; _adam*|_sgd*) fam=optim;; *) fam=clip;; esac
-  left=$((560 - SECONDS)); [ "$left" -gt 30 ] || break
-  ncu_run timeout "$left" ncu --clock-control none -k "regex:^${k}\$" -c 1 --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section MemoryWorkloadAnalysis "$py" -m benchmarks.micro --no-profile --only "$fam" \
-    --json /tmp/ncu-micro.json
-  echo "== ncu $k exit $? at ${SECONDS}s" >> "$out/ncu.txt"
-done
-grep -E "^(==|\| )" "$out/bench.log" | tail -n 60
-grep -E "==|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Limit|Grid Size" "$out/ncu.txt" | head -80
+tail -n 25 "$out/pytest.log" | cut -c1-300
+grep -E "^\| (bn|clip|optim|host) " "$out/micro.log" | cut -c1-200
+grep -E "^\| " "$out/bench.log" | tail -n 20 | cut -c1-250
