@@ -166,9 +166,14 @@ def _gelu_tanh_parts(z, MATH: tl.constexpr):
 
 @triton.jit
 def _relu6_shifted(z):
-    """min(max(z + 3, 0), 6), NaN kept (hardswish and hardsigmoid)."""
-    nan = tl.PropagateNan.ALL
-    return tl.minimum(tl.maximum(z + 3.0, 0.0, propagate_nan=nan), 6.0, propagate_nan=nan)
+    """min(max(z + 3, 0), 6), NaN kept (hardswish and hardsigmoid).
+
+    ``tl.PropagateNan.ALL`` is written at each use: Triton 3.6 cannot bind it to a local name (it tries to
+    make a tensor of it), which made every hardswish/hardsigmoid kernel fail to compile on the GPU.
+    """
+    return tl.minimum(
+        tl.maximum(z + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0, propagate_nan=tl.PropagateNan.ALL
+    )
 
 
 @triton.jit

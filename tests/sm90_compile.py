@@ -161,6 +161,17 @@ CASES = {
     "sgd_plain_bf16_master": optim_case(tfuse.optim.FusedSGD, torch.bfloat16, lr=0.1, master_weights=True),
 }
 
+# Every activation in every kernel family that applies one: each is a constexpr branch of the activation
+# helpers, compiled only when some case selects it (hardswish and hardsigmoid once failed to compile with
+# Triton 3.6 while no case here selected them).
+from tfuse.ops._activations import Activation  # noqa: E402
+
+for _act in Activation:
+    CASES[f"sweep_add_act_{_act.label}_fp32"] = add_act_case((64, 32), [(32,)], torch.float32, _act.label)
+    CASES[f"sweep_bn_{_act.label}_fp32"] = bn_case((2, 8, 4, 4), torch.float32, _act.label, residual=True)
+    CASES[f"sweep_dw_{_act.label}_fp32"] = depthwise_case((2, 8, 6, 6), (3, 3), torch.float32, _act.label,
+                                                          act_out=_act.label, bias=True)
+
 vector_widths = roofline.vector_widths
 
 #: Kernels whose SASS decoding is checked against nvdisasm (one loop-free, one with a loop and barriers).

@@ -76,6 +76,31 @@ def test_every_kernel_compiles(compiled):
     }
 
 
+def test_every_activation_compiles_in_every_family(compiled):
+    """Each activation is a constexpr branch: compiled only where a case selects it (the sweep cases)."""
+    from tfuse.ops._activations import Activation
+
+    cases = {case for case, _ in compiled}
+    missing = [f"sweep_{family}_{act.label}_fp32" for act in Activation for family in ("add_act", "bn", "dw")
+               if f"sweep_{family}_{act.label}_fp32" not in cases]
+    assert not missing, missing
+
+
+def test_no_triton_enum_is_bound_to_a_name_in_kernel_code():
+    """Triton 3.6 (the lent GPUs') cannot bind an enum member such as ``tl.PropagateNan.ALL`` to a local name
+    in JIT code (it tries to make a tensor of it); Triton 3.9 (CI's) can. So write it at each use."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                text = ast.unparse(node.value)
+                if text.startswith("tl.PropagateNan.") or text.startswith("triton.language.PropagateNan."):
+                    offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders
+
+
 # (case, kernel) pairs whose every global load and store must be 4 x 32 bits.
 VECTORISED = [
     ("add3_contiguous_fp32", "_add_fwd_kernel"),
