@@ -156,7 +156,8 @@ def run_plan(plan: Iterable[tuple[str, str, int, tuple[str, ...]]], *, device: t
             if sink is not None:
                 sink.write(json.dumps(row, default=str) + "\n")
                 sink.flush()
-        print(f"[e2e {time.perf_counter() - started:.0f} s] " + "; ".join(_short(r) for r in group_rows), flush=True)
+        print(f"[e2e {time.perf_counter() - started:.0f} s] " + "; ".join(_short(r) for r in group_rows),
+              file=sys.stderr, flush=True)  # progress, as every benchmark's
     return rows
 
 
@@ -249,7 +250,7 @@ def run(ctx: Any) -> Any:
                  Column("variant", "variant"), Column("samples_per_s", "samples/s", "{:,.0f}"),
                  Column("wall_ms_median", "wall ms/step", "{:.2f}"), Column("host_ms_median", "host ms/step", "{:.2f}"),
                  Column("device_ms", "device ms/step", "{:.2f}"), Column("triton_launches", "Triton launches"),
-                 Column("vs_eager", "x eager", "{:.2f}"), Column("check", "losses vs eager")],
+                 Column("vs_eager", "x eager", "{:.2f}"), Column("check", "check")],
         plot_panels="model", plot_x="variant", plot_lines=(("wall_ms_median", "wall ms per step"),),
         plot_xlabel="", plot_ylabel="ms per step",
         timing_note="Timing: wall ms is the median over interleaved rounds of back-to-back steps (each round starts "
@@ -264,11 +265,11 @@ def notes_for(on_gpu: bool) -> list[str]:
         "clip; tfuse: tfuse.setup (fuse_model, FusedMomentum/FusedAdamW over flat buffers), tfuse's clip; "
         "+ CUDA graph: the whole step captured once and replayed (capturable optimizers); torch.compile: the eager "
         "variant with torch.compile(model), default mode.",
-        "losses vs eager: each variant's first two losses from the same weights on the same batch, within "
-        f"{LOSS_RTOL[torch.bfloat16]:g} relative of eager's (bf16 autocast).",
+        "losses vs eager (the check column of `python -m benchmarks`): each variant's first two losses from the "
+        f"same weights on the same batch, within {LOSS_RTOL[torch.bfloat16]:g} relative of eager's (bf16 autocast).",
     ]
     if not on_gpu:
-        notes.append("CPU run at tiny sizes: tfuse runs its PyTorch path here; these rows check that the benchmark "
+        notes.append("CPU run: tiny models; tfuse runs its PyTorch path here: these rows check that the benchmark "
                      "and the step work, they are not the performance of tfuse's GPU path.")
     return notes
 

@@ -19,7 +19,9 @@ if not ON_CUDA:
 
 import tfuse  # noqa: E402  (after the interpreter switch, on purpose)
 
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+# With its index on CUDA: a tensor's device is always indexed (cuda:0), and torch.device("cuda") compares
+# unequal to it, which made device checks in the tests fail on the GPU only.
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device("cpu")
 SEED_ENV_VAR = "TFUSE_TEST_SEED"
 
 

@@ -204,11 +204,20 @@ def test_output_activation_epilogue(backend, device, act_out, layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
 def test_dtypes_within_their_error_bound(backend, device, dtype, layout):
-    if backend == "torch" and dtype == torch.float16 and device.type == "cpu":
-        # torch's CPU float16 conv2d accumulates in float16 itself: the bound below is for float32 accumulation.
-        pytest.skip("torch's CPU float16 depthwise conv2d accumulates in float16")
     x, weight, bias = make_case((2, 6, 8, 9), (3, 3), dtype, device, layout)
     y, gy, grads = run(x, weight, bias, 2, 1, 1, act_in="relu6")
+    if backend == "torch" and dtype != torch.float32:
+        # The PyTorch path is torch's relu6 + conv2d, whose 16-bit accumulation is torch's and varies by device
+        # and CPU vector unit (float16 on CPUs; bfloat16 dx beyond the float32-accumulation bound on an AVX2
+        # EPYC; 16-bit channels_last through cuDNN on an H100): it is held to what those ops compute (the
+        # dtype's default tolerance: a convolution's weight gradient may sum in another order between calls).
+        # The bound below is the Triton kernels' promise (float32 accumulation, one rounding).
+        leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+        expected = F.conv2d(F.relu6(leaves[0]), leaves[1], leaves[2], 2, 1, 1, x.shape[1])
+        torch.testing.assert_close(y, expected)
+        for mine, theirs in zip(grads, torch.autograd.grad(expected, leaves, gy)):
+            torch.testing.assert_close(mine, theirs)
+        return
     check_forward(y, x, weight, bias, 2, 1, 1, "relu6", None)
     check_backward(grads, x, weight, bias, gy, 2, 1, 1, "relu6", None)
 

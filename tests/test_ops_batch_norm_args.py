@@ -65,7 +65,8 @@ def test_module_with_eps_zero_raises_torchs_error_in_training(backend, device):
         reference(x)
     with tfuse.use_backend(backend), pytest.raises(ValueError) as ours:
         fused(x)
-    assert str(ours.value) == str(theirs.value) == "batch_norm eps must be positive during training, but got 0.0"
+    assert str(ours.value) == str(theirs.value)  # torch's words, whichever torch is installed
+    assert "batch_norm eps must be positive" in str(ours.value) and "got 0.0" in str(ours.value)
     fused.eval(), reference.eval()
     with tfuse.use_backend(backend):
         torch.testing.assert_close(fused(x), reference(x))  # eps = 0 is valid with running statistics
@@ -177,7 +178,10 @@ def test_weight_or_bias_alone_as_torch(given, training, backend, device):
     mean, var = _stats(5, device, F64)
     with tfuse.use_backend(backend):
         y = batch_norm_act(x, mean.clone(), var.clone(), training=training, act="tanh", **kwargs)
-    expected = torch.tanh(F.batch_norm(x, mean.clone(), var.clone(), training=training, **kwargs))
+    # torch normalises with weight 1 where only a bias is given; said explicitly in the reference, because
+    # torch 2.11's CUDA backward of a bias-only F.batch_norm raises "tensor does not have a device".
+    reference_kwargs = kwargs if given == "weight" else dict(kwargs, weight=torch.ones_like(param))
+    expected = torch.tanh(F.batch_norm(x, mean.clone(), var.clone(), training=training, **reference_kwargs))
     torch.testing.assert_close(y, expected)
     dy = torch.randn_like(y)
     for mine, theirs in zip(torch.autograd.grad(y, (x, param), dy), torch.autograd.grad(expected, (x, param), dy)):
@@ -199,7 +203,15 @@ def test_non_contiguous_parameters_and_statistics(training, backend, device):
     expected = F.silu(F.batch_norm(x, theirs_stats[0, ::2], theirs_stats[1, ::2], w_base[::2], b_base[::2],
                                    training=training))
     torch.testing.assert_close(y, expected)
-    torch.testing.assert_close(ours_stats, theirs_stats)  # updated in place, through the views, in training
+    # Updated in place, through the views, in training. The reference is the update's formula, not torch's
+    # result: cuDNN's batch norm drops the update of non-contiguous running statistics (pytorch#33867).
+    if training:
+        xd = x.detach().double()
+        batch_var, batch_mean = torch.var_mean(xd, (0, 2, 3), correction=1)
+        theirs_stats = stats.double().clone()
+        theirs_stats[0, ::2] = 0.9 * theirs_stats[0, ::2] + 0.1 * batch_mean
+        theirs_stats[1, ::2] = 0.9 * theirs_stats[1, ::2] + 0.1 * batch_var
+    torch.testing.assert_close(ours_stats.double(), theirs_stats.double(), rtol=1e-5, atol=1e-6)
     dy = torch.randn_like(y)
     ours, theirs = torch.autograd.grad(y, (x, w_base, b_base), dy), torch.autograd.grad(expected, (x, w_base, b_base), dy)
     if training:  # d(x) against float64 within the bound of its terms (they cancel for some data)

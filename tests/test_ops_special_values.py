@@ -105,7 +105,13 @@ def test_add_act_at_special_values(act, dtype, backend, device):
     zeros = y64.to(dtype) == 0
     if check_y is not None:
         zeros &= check_y
-    assert torch.equal(y[zeros].signbit(), y64.to(dtype)[zeros].signbit()), f"{act}: sign of a zero result"
+    sign = y64.to(dtype).signbit()
+    if backend == "torch":
+        # The sign of a zero from torch's own float32 function (what the path computes) depends on the CPU's
+        # vector unit (its gelu gives +0 for large negative z on an AVX2 EPYC where float64 gives -0): the
+        # PyTorch path is held to being torch's there.
+        sign = y32.to(dtype).signbit()
+    assert torch.equal(y[zeros].signbit(), sign[zeros]), f"{act}: sign of a zero result"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -69,7 +69,12 @@ def test_trajectory_matches_torch(case, two_groups, dtype, backend, device):
             zero_grads = not (dtype == torch.float16 and fused_cls in (FusedAdam, FusedAdamW))  # see the helper
             run_low_precision_step_by_step(model, fused, torch_cls, options, steps, device, dtype, zero_grads)
         else:
-            torch_opt = torch_cls(groups_of(reference, options, two_groups), **options, foreach=False)
+            # The PyTorch path runs torch's fused kernels; on CUDA torch's fused Adam and its for-loop differ
+            # by more than the float32 tolerance after 10 steps (2.3e-7 on a 0.011 bias with weight decay, on
+            # an H100), so there the reference is torch's fused=True. Elsewhere, and for the Triton kernels,
+            # torch's for-loop.
+            implementation = dict(fused=True) if backend == "torch" and device.type == "cuda" else dict(foreach=False)
+            torch_opt = torch_cls(groups_of(reference, options, two_groups), **options, **implementation)
             run_side_by_side(model, reference, fused, torch_opt, steps=steps, device=device, dtype=dtype)
     # The auxiliary head had no gradient on most odd steps (run_side_by_side
     # compared every step count with torch's); make sure that case happened.

@@ -40,7 +40,8 @@ cap=$(( $(left) * 150 / 290 ))
 timeout -s INT "$cap" "$py" -m pytest "${pytest_args[@]}" > "$out/pytest.log" 2>&1
 echo "pytest exit $? after ${SECONDS}s" | tee -a "$out/bench.log"
 
-{ echo "== fuse_model on the model zoo"; timeout -s INT 35 "$py" scripts/gpu/fuse_zoo.py 2>&1 | tail -n 20; } >> "$out/bench.log"
+timeout -s INT 35 "$py" scripts/gpu/fuse_zoo.py > /tmp/tfuse-zoo.txt 2>&1
+{ echo "== fuse_model on the model zoo"; grep -E "^(== |torchvision|timm)|Error|error:|reproducer" /tmp/tfuse-zoo.txt | cut -c1-400 | head -n 80; } >> "$out/bench.log"
 echo "zoo done after ${SECONDS}s" | tee -a "$out/bench.log"
 
 micro_args=(--only bn,clip,optim,host --json "$out/micro.json"); [ "$dry" = 1 ] && micro_args+=(--dry)

@@ -24,16 +24,16 @@ def zoo() -> list[tuple[str, torch.nn.Module, tuple[int, ...]]]:
 
         for name in ("resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_small", "efficientnet_b0", "regnet_y_400mf"):
             models.append((f"torchvision.{name}", getattr(tv, name)(weights=None), (4, 3, 64, 64)))
-    except ImportError:
-        print("torchvision not installed: skipped")
+    except Exception as error:
+        print(f"torchvision unavailable ({type(error).__name__}): skipped")
     try:
         import timm
 
         for name in ("resnet26d", "mobilenetv3_large_100", "convnext_nano", "vit_tiny_patch16_224"):
             shape = (2, 3, 224, 224) if name.startswith("vit") else (4, 3, 64, 64)
             models.append((f"timm.{name}", timm.create_model(name, pretrained=False), shape))
-    except ImportError:
-        print("timm not installed: skipped")
+    except Exception as error:
+        print(f"timm unavailable ({type(error).__name__}): skipped")
     return models
 
 
@@ -52,6 +52,7 @@ def largest_difference(original: torch.nn.Module, fused: torch.nn.Module, shape,
 def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name, model, shape in zoo():
+        print(f"== {name}", flush=True)  # named first: a compiler crash prints pages of its own
         model = model.to(device)
         try:
             fused, report = tfuse.fuse_model(model, example_inputs=torch.randn(shape, device=device))

@@ -159,6 +159,26 @@ def _hardsigmoid_backward(dy: torch.Tensor, z: torch.Tensor, _: float) -> torch.
     return torch.where((z > -3) & (z < 3), dy / 6, torch.zeros((), dtype=dy.dtype, device=dy.device))
 
 
+# torch's CUDA kernels of hardsigmoid and hardswish multiply by a float32 1/6 (3e-8 relative in float64:
+# seen on an H100); its CPU kernels divide by 6. In float64 these compute the CPU's formula on every device.
+def _hardsigmoid(z: torch.Tensor, _: float) -> torch.Tensor:
+    return (z + 3.0).clamp(0.0, 6.0) / 6.0 if z.dtype == torch.float64 else F.hardsigmoid(z)
+
+
+def _hardsigmoid_(z: torch.Tensor, _: float) -> torch.Tensor:
+    return z.add_(3.0).clamp_(0.0, 6.0).div_(6.0) if z.dtype == torch.float64 else F.hardsigmoid(z, inplace=True)
+
+
+def _hardswish(z: torch.Tensor, _: float) -> torch.Tensor:
+    return z * (z + 3.0).clamp(0.0, 6.0) / 6.0 if z.dtype == torch.float64 else F.hardswish(z)
+
+
+def _hardswish_(z: torch.Tensor, _: float) -> torch.Tensor:
+    if z.dtype == torch.float64:
+        return z.mul_((z + 3.0).clamp(0.0, 6.0)).div_(6.0)
+    return F.hardswish(z, inplace=True)
+
+
 _TORCH: dict[Activation, _TorchPath] = {
     Activation.RELU: _TorchPath(
         forward=lambda z, _: F.relu(z),
@@ -216,14 +236,14 @@ _TORCH: dict[Activation, _TorchPath] = {
         grad_source=GradSource.INPUT,
     ),
     Activation.HARDSWISH: _TorchPath(
-        forward=lambda z, _: F.hardswish(z),
-        forward_=lambda z, _: F.hardswish(z, inplace=True),
+        forward=_hardswish,
+        forward_=_hardswish_,
         backward=lambda dy, z, _: _aten.hardswish_backward(dy, z),
         grad_source=GradSource.INPUT,
     ),
     Activation.HARDSIGMOID: _TorchPath(
-        forward=lambda z, _: F.hardsigmoid(z),
-        forward_=lambda z, _: F.hardsigmoid(z, inplace=True),
+        forward=_hardsigmoid,
+        forward_=_hardsigmoid_,
         backward=_hardsigmoid_backward,
         grad_source=GradSource.INPUT,
     ),

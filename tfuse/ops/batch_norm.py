@@ -98,7 +98,8 @@ def batch_norm_act(
 
     As in ``F.batch_norm``: ``momentum`` is a number (any value; the modules
     turn ``momentum=None``, a cumulative average, into ``1 / num_batches_tracked``);
-    ``eps`` must be positive in training and non-negative in eval; eval needs
+    ``eps`` is refused where the installed torch refuses it (2.13: not positive
+    in training, negative in eval), with torch's words; eval needs
     the running statistics; weight or bias may be given alone; weight, bias
     and the running statistics share one dtype, x's or float32 (torch takes
     float32 with a 16-bit x only; tfuse with a float64 x too, normalising in
@@ -174,6 +175,14 @@ def _batch_norm_act_torch(
         # float32 parameters with a float64 x (which torch does not take): in float64, statistics written back.
         weight, bias = (t.double() if t is not None else None for t in (weight, bias))
         running_mean, running_var = (t.double() if t is not None else None for t in stats)
+    elif training and running_mean is not None and not (running_mean.is_contiguous() and running_var.is_contiguous()):
+        # cuDNN's batch norm updates dense copies of non-contiguous running statistics and drops them
+        # (pytorch#33867): run on dense copies here and write them back below, on every device.
+        running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    if weight is None and bias is not None:
+        # torch's weight 1, said explicitly: torch 2.11's CUDA backward of a bias-only batch norm raises
+        # "tensor does not have a device".
+        weight = torch.ones_like(bias)
     y = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
     if training and stats[0] is not None and stats[0] is not running_mean:
         stats[0].copy_(running_mean)
@@ -282,12 +291,25 @@ def _check_inputs(x, running_mean, running_var, weight, bias, residual, training
         values_per_channel = x.numel() // max(channels, 1)
         if values_per_channel == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
-    # F.batch_norm's checks and words.
-    if training and eps <= 0.0:
-        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
-    if eps < 0.0:
-        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
+    if eps <= 0.0:
+        refusal = _torch_refuses_eps(float(eps), bool(training))
+        if refusal is not None:
+            raise ValueError(refusal)
     return channels
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_refuses_eps(eps: float, training: bool) -> str | None:
+    """What the installed torch's ``F.batch_norm`` says of this ``eps`` (None: it accepts it).
+
+    Its rule and words changed between releases (torch 2.11 refuses eps <= 0 in eval too, "must be positive";
+    2.13 allows 0 in eval and says "during training"), so tfuse asks it, once per value, on a tiny CPU tensor.
+    """
+    try:
+        F.batch_norm(torch.zeros(2, 1), torch.zeros(1), torch.ones(1), training=training, eps=eps)
+    except ValueError as refusal:
+        return str(refusal)
+    return None
 
 
 # Layouts the kernels read in place (see kernels/batch_norm.py).
@@ -1015,10 +1037,24 @@ def _batch_norm_act_op(
     new_var = running_var.clone(memory_format=torch.contiguous_format) if update else nothing.clone()
     mean, var = (new_mean, new_var) if update else (running_mean, running_var)
     if backend is Backend.TORCH:
+        if not training:
+            y = _batch_norm_act_torch(
+                x, mean, var, weight, bias, False, momentum, eps, activation, negative_slope, residual
+            )
+            return y, nothing, new_mean, new_var
+        # Nothing mutated inside the op: F.batch_norm with batch statistics, the running ones computed from
+        # the same statistics (updating a clone in place inside the op broke Inductor's functionalisation
+        # on CUDA with torch 2.11: "copy_ ... clone" in the joint graph).
         y = _batch_norm_act_torch(
-            x, mean, var, weight, bias, training, momentum, eps, activation, negative_slope, residual
+            x, None, None, weight, bias, True, momentum, eps, activation, negative_slope, residual
         )
-        return y, _stats_table_torch(x, weight, bias, eps, residual) if training else nothing, new_mean, new_var
+        table, batch_mean, batch_var = _stats_table_torch(x, weight, bias, eps, residual)
+        if update:
+            count = x.numel() // x.shape[1]
+            unbiased = batch_var * (count / (count - 1))
+            new_mean = (running_mean.to(batch_mean.dtype) * (1.0 - momentum) + batch_mean * momentum).to(new_mean.dtype)
+            new_var = (running_var.to(unbiased.dtype) * (1.0 - momentum) + unbiased * momentum).to(new_var.dtype)
+        return y, table, new_mean, new_var
     weight, bias = _affine(weight, bias)
     if mean is not None and not (mean.is_contiguous() and var.is_contiguous()):
         mean, var = mean.contiguous(), var.contiguous()  # read only (eval): dense copies
@@ -1033,9 +1069,10 @@ def _batch_norm_act_op(
     return y, stats[: 4 * x.shape[1]], new_mean, new_var  # the table; the partials after it are the forward's own
 
 
-def _stats_table_torch(x, weight, bias, eps: float, residual) -> torch.Tensor:
+def _stats_table_torch(x, weight, bias, eps: float, residual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The statistics table the Triton forward hands its backward, [mean, 1/std, weight/std, bias] per
-    channel (flattened), in torch ops: the PyTorch path's op output has the Triton path's shape."""
+    channel (flattened), in torch ops (the PyTorch path's op output has the Triton path's shape), with
+    the batch mean and (biased) variance it was made of."""
     acc = acc_dtype(_out_dtype(x, residual))
     dims = [0, *range(2, x.dim())]
     xa = x.to(acc)
@@ -1043,7 +1080,7 @@ def _stats_table_torch(x, weight, bias, eps: float, residual) -> torch.Tensor:
     invstd = torch.rsqrt(var + eps)
     scale = invstd if weight is None else weight.to(acc) * invstd
     shift = torch.zeros_like(mean) if bias is None else bias.to(acc)
-    return torch.stack([mean, invstd, scale, shift]).flatten()
+    return torch.stack([mean, invstd, scale, shift]).flatten(), mean, var
 
 
 def _affine(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple:

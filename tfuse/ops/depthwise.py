@@ -374,6 +374,9 @@ def _forward_torch(
     a = spec.act_in.forward(x, spec.negative_slope)
     z = F.conv2d(a, weight, bias, spec.stride, spec.padding, spec.dilation, x.shape[1])
     del a
+    if _is_channels_last(x) and not z.is_contiguous(memory_format=torch.channels_last):
+        # The output keeps x's format; torch's CUDA conv2d returns float64 channels_last input as NCHW.
+        z = z.contiguous(memory_format=torch.channels_last)
     source = spec.saved_output
     if source is GradSource.NONE:
         return z, None
