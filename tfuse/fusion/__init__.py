@@ -39,27 +39,41 @@ def fuse_model(
     relu6 (and Hardtanh(0, 6)), hardtanh (-1 to 1), hardswish, hardsigmoid,
     mish, elu (alpha 1), as modules, functions or tensor methods.
 
-    Where the forward traces with ``torch.fx``, the traced computation is
-    rewritten (a ``torch.fx.GraphModule`` with the original's module names):
-    patterns are found in what the forward computes, whatever the order the
-    modules were registered in; a module called at several places, or a
-    layer whose output feeds a branch, is left as it is and reported. Where
-    it does not trace, only neighbours inside ``nn.Sequential`` containers
-    are fused (a conservative fallback), and the report says why.
+    The forward is traced with ``torch.fx`` on a shadow copy (the original's
+    attributes and buffers are never written), in train mode and in eval
+    mode, and the traced computation rewritten: a ``torch.fx.GraphModule``
+    (:class:`~tfuse.fusion.model.FusedGraphModule`) over new module objects
+    that share the original's parameters and buffers, with the original's
+    module names, ``state_dict`` keys and parameter order (checkpoints and
+    optimizer state dicts load both ways). A forward that branches on
+    ``self.training`` gives two graphs, and the fused model runs the one of its
+    mode. Left as they are, and reported: a module called at several places, a
+    layer whose output feeds a branch, a layer or activation with hooks (a
+    fused call would skip them; hooks on the model itself move to the fused
+    model), an in-place add into a tensor something else reads, batch norm
+    and Linear subclasses (timm's ``BatchNormAct2d`` is recognised and fused).
+    Where the forward does not trace, fusion happens inside the parts that the
+    forward calls whole (its source says so): ``nn.Sequential`` neighbours,
+    and blocks whose own forward traces. Where nothing fuses, ``model`` itself
+    is returned.
 
-    Either way the original model is not changed: the fused model shares its
-    parameters and buffers (training one trains the other), holds the same
-    state-dict keys (checkpoints load both ways), and computes the same
-    outputs and gradients within floating-point rounding, in train and eval
-    mode. A GraphModule keeps the original's submodules and forward, not its
-    other methods and attributes.
+    The fused model computes what the original computes, within
+    floating-point rounding, in train and eval mode; training one trains the
+    other (shared parameters and buffers, until one is moved with ``.to()``).
+    A GraphModule keeps the original's submodules and forward, not its other
+    methods and attributes.
 
     Args:
         model: the model to fuse.
         strategy: which patterns to fuse (default: all).
         example_inputs: a tensor or tuple of the forward's positional inputs:
-            with them, shapes decide the residual and add patterns (the model
-            runs once in eval mode without gradients; nothing in it changes).
+            with them, shapes decide the residual and add patterns (a shadow
+            copy runs once in eval mode without gradients; nothing of the
+            model changes).
+
+    Raises:
+        TypeError: ``model`` is not a module or ``strategy`` not a FusionStrategy.
+        ValueError: the forward fails on ``example_inputs`` (their shapes are named).
 
     Example:
         >>> import torch, tfuse
@@ -70,8 +84,9 @@ def fuse_model(
         >>> type(fused.get_submodule("1")).__name__  # a GraphModule, with the original's module names
         'FusedBatchNormAct2d'
     """
-    from tfuse.fusion.graph import fuse_graph
-    from tfuse.fusion.structural import fuse_sequentials
+    from tfuse.fusion.build import fuse_traced
+    from tfuse.fusion.partial import fuse_untraced
+    from tfuse.fusion.tracing import trace_modes
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"tfuse.fuse_model: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -81,10 +96,14 @@ def fuse_model(
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:
-        fused, report = fuse_graph(model, strategy, example_inputs)
+        traced = trace_modes(model)
     except Exception as error:  # the forward does not trace (data-dependent control flow, ...)
         note = f"torch.fx could not trace the forward: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        fused, report = fuse_sequentials(model, strategy, note)
+        fused, report = fuse_untraced(model, strategy, example_inputs, note)
+    else:
+        fused, report = fuse_traced(model, traced, strategy, example_inputs)
+    if fused is model:
+        report.note = (report.note + "; " if report.note else "") + "nothing fused: the model is returned as it is"
     logger.info("tfuse.fuse_model: %s", report)
     if report.note:
         logger.info("tfuse.fuse_model: %s", report.note)

@@ -1,7 +1,6 @@
-"""Fusion by rewriting the traced computation (torch.fx): what the forward computes, not module order.
+"""Fusion by rewriting a traced graph (torch.fx): what the forward computes, not module order.
 
-The model is traced symbolically (tfuse's own layers are leaves). Each
-activation node is looked at together with what it is applied to:
+Each activation node is looked at together with what it is applied to:
 
 * a BatchNorm1d/2d call -> the fused batch norm layer with that activation;
 * an add of a BatchNorm call and another tensor of its shape (shapes from
@@ -9,30 +8,33 @@ activation node is looked at together with what it is applied to:
 * an nn.Linear call -> FusedLinear with that activation;
 * otherwise, when the activation's only user is a depthwise nn.Conv2d call
   -> ``FusedActDepthwiseConv2d`` with that activation as ``act_in`` (a batch
-  norm or Linear fusion keeps its activation: BN -> ReLU6 -> depthwise conv
-  stays BN+ReLU6 then the plain conv, with the same memory and traffic);
+  norm or Linear fusion keeps its activation);
 * any other add of two tensors (shapes known) -> ``tfuse.add_act``.
 
-A layer called more than once (a module reused), or one whose output has
-another user besides the activation (a branch), is left as it is and
-reported; so is a grouped convolution after an activation when it is not
-depthwise with depth multiplier 1 and zero padding, or when the activation
-has other users or is in place on a tensor that may be used elsewhere (dense
-convolutions are not candidates, and not reported). The fused layers share
-the original layers' parameters and buffers; the result is a
-``torch.fx.GraphModule`` with the original's module names, so state dicts
-load either way.
+And a batch norm module that applies its own activation (timm's
+``BatchNormAct2d``) becomes the fused layer. ``nn.Identity`` calls are read
+through (timm's ``drop_block`` between a norm and its activation).
+
+Left as they are, and reported: a layer called more than once or whose
+output has another user (a branch); a layer or activation with hooks (a
+fused call would skip them); an in-place add into a tensor that something
+else also reads (fusing would change what it holds); a batch norm or Linear
+subclass; a grouped convolution after an activation that cannot take it.
+
+The rewrite works on one graph at a time but shares its module decisions
+(:class:`Decisions`): a forward that differs between train and eval mode has
+two graphs over one module tree, and a module is replaced only where both
+graphs fuse it the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
-from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from tfuse.functional import add_act
 from tfuse.fusion import activations
@@ -40,90 +42,68 @@ from tfuse.fusion.layers import (
     depthwise_mismatch,
     fused_depthwise,
     fused_layer,
+    hooks_reason,
     in_place_reason,
     is_batch_norm,
     is_grouped_conv,
     is_linear,
     makes_new_tensor,
+    norm_act_module,
+    subclass_reason,
     unsupported_before_reason,
     unsupported_reason,
 )
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
+from tfuse.fusion.tracing import has_hooks
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
-    """``model`` traced symbolically (raises what torch.fx raises when the forward does not trace)."""
-    tracer = fx.Tracer()
-    graph = tracer.trace(model)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+@dataclasses.dataclass
+class Decisions:
+    """Module replacements shared by the graphs of one model.
+
+    Attributes:
+        allowed: the replacement keys a rewrite may make (None: any); a key is (module name, pattern).
+        made: the keys made so far, with the module that replaces each name.
+    """
+
+    allowed: set[tuple] | None = None
+    made: dict[tuple, nn.Module] = dataclasses.field(default_factory=dict)
+
+    def replacement(self, key: tuple, build) -> nn.Module | None:  # type: ignore[no-untyped-def]
+        """The module for ``key`` (built once, shared by every graph); None when ``key`` is not allowed."""
+        if self.allowed is not None and key not in self.allowed:
+            return None
+        if key not in self.made:
+            self.made[key] = build()
+        return self.made[key]
 
 
-def fuse_graph(
-    model: nn.Module, strategy: FusionStrategy, example_inputs: tuple[Any, ...] | None
-) -> tuple[fx.GraphModule, FusionReport]:
-    """The fused GraphModule of ``model`` and the report (raises if ``model`` does not trace)."""
-    gm = trace(model)
-    shapes = _shapes(gm, example_inputs) if example_inputs is not None else None
-    report = FusionReport(method="fx")
-    _Rewriter(gm, strategy, shapes, report).run()
-    _keep_unused_modules(gm, model)
-    gm.train(model.training)
-    gm.graph.lint()
-    gm.recompile()
-    return gm, report
+class Rewriter:
+    """Fuses the patterns of one graph whose modules are ``modules`` (name -> module, the fused tree's)."""
 
-
-def _shapes(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> dict[fx.Node, torch.Size]:
-    """Each node's output shape, from one run on ``example_inputs`` in eval mode without gradients (no
-    running statistics move, nothing is kept)."""
-    modes = {name: m.training for name, m in gm.named_modules()}
-    try:
-        gm.eval()
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
-    finally:
-        for name, module in gm.named_modules():
-            module.training = modes[name]
-    return {
-        node: node.meta["tensor_meta"].shape
-        for node in gm.graph.nodes
-        if hasattr(node.meta.get("tensor_meta"), "shape")
-    }
-
-
-def _keep_unused_modules(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Puts back the submodules the forward never calls (a GraphModule keeps only those it uses), so the
-    fused model's state dict has every key of the original's."""
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        try:
-            gm.get_submodule(name)
-            continue
-        except AttributeError:
-            pass
-        parent = gm.get_submodule(parent_name) if parent_name else gm
-        parent.add_module(leaf, module)
-
-
-class _Rewriter:
     def __init__(
         self,
-        gm: fx.GraphModule,
+        graph: fx.Graph,
+        modules: dict[str, nn.Module],
         strategy: FusionStrategy,
-        shapes: dict[fx.Node, torch.Size] | None,
+        shapes: dict[str, torch.Size] | None,
         report: FusionReport,
+        decisions: Decisions,
     ) -> None:
-        self.gm, self.strategy, self.shapes, self.report = gm, strategy, shapes, report
-        self.modules = dict(gm.named_modules())
-        self.calls = collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+        self.graph, self.modules, self.strategy, self.shapes = graph, modules, strategy, shapes
+        self.report, self.decisions = report, decisions
+        self.calls = collections.Counter(n.target for n in graph.nodes if n.op == "call_module")
+        self.replaced: dict[str, nn.Module] = {}
 
-    def run(self) -> None:
-        for node in list(self.gm.graph.nodes):
-            if node.graph is not self.gm.graph or node.op == "output":
+    def run(self) -> dict[str, nn.Module]:
+        """Rewrites the graph; returns the modules to put in the tree (name -> replacement)."""
+        self._read_through_identities()
+        for node in list(self.graph.nodes):
+            if node.graph is not self.graph or node.op == "output":
                 continue  # erased by an earlier fusion
+            if node.op == "call_module" and self._fuse_norm_act_module(node):
+                continue
             found = activations.of_node(node, self.modules)
             if found is None:
                 continue
@@ -140,13 +120,37 @@ class _Rewriter:
                 continue
             if _is_tensor_add(source) and self._add_norm(source) is None:
                 self._fuse_add(node, found, source)
+        return self.replaced
+
+    # ------------------------------------------------------------------ patterns
+
+    def _read_through_identities(self) -> None:
+        """Calls of an ``nn.Identity`` (without hooks) removed: their users read the input itself."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+                continue
+            module = self.modules[node.target]
+            if type(module) is nn.Identity and not has_hooks(module):
+                node.replace_all_uses_with(node.args[0])
+                self.graph.erase_node(node)
+                self.calls[node.target] -= 1
 
     def _fuse_before(self, node: fx.Node, found: activations.ActivationCall, source: fx.Node) -> bool:
         """The activation fused into the batch norm or Linear it follows (also through a residual add)."""
-        if source.op == "call_module" and is_batch_norm(self.modules[source.target]):
-            return self.strategy.fuse_bn_act and self._fuse_bn(node, found, source, residual=None)
-        if source.op == "call_module" and is_linear(self.modules[source.target]):
-            return self.strategy.fuse_linear_act and self._fuse_linear(node, found, source)
+        if source.op == "call_module":
+            layer = self.modules[source.target]
+            if is_batch_norm(layer) or is_linear(layer):
+                switch = "fuse_bn_act" if is_batch_norm(layer) else "fuse_linear_act"
+                if not getattr(self.strategy, switch):
+                    self._skip(source.target, f"is followed by {found.display}; {switch} is off in the strategy")
+                    return False
+                if is_batch_norm(layer):
+                    return self._fuse_bn(node, found, source, residual=None)
+                return self._fuse_linear(node, found, source)
+            reason = subclass_reason(layer)
+            if reason is not None:
+                self._skip(source.target, reason)
+            return False
         if _is_tensor_add(source) and self._add_norm(source) is not None:
             return self._fuse_add(node, found, source)
         return False
@@ -156,6 +160,24 @@ class _Rewriter:
         return next(
             (n for n in add_node.args[:2] if n.op == "call_module" and is_batch_norm(self.modules[n.target])), None
         )
+
+    def _fuse_norm_act_module(self, node: fx.Node) -> bool:
+        """A batch norm module that applies its own activation (timm's BatchNormAct2d) -> the fused layer."""
+        module = self.modules[node.target]
+        found = norm_act_module(module)
+        if found is None or not self.strategy.fuse_bn_act:
+            return False
+        if isinstance(found, activations.Unsupported):
+            self._skip(node.target, unsupported_reason(found))
+            return False
+        if not (self._callable_once(node) and self._without_hooks(node.target, module)):
+            return False
+        fused = self._take(node.target, "norm-act", found, lambda: fused_layer(module, found)[0])
+        if fused is None:
+            return False
+        kind = f"{type(module).__name__}({found.display})"
+        self.report.fused.append(Fused(kind, (node.target,), type(fused).__name__))
+        return True
 
     # ------------------------------------------------------------------ checks
 
@@ -183,29 +205,55 @@ class _Rewriter:
             return False
         return True
 
+    def _without_hooks(self, where: str, *modules: nn.Module) -> bool:
+        for module in modules:
+            reason = hooks_reason(module)
+            if reason is not None:
+                self._skip(where, reason)
+                return False
+        return True
+
+    def _act_module(self, act_node: fx.Node) -> tuple[nn.Module, ...]:
+        """The activation's module, when it is one (its hooks count too)."""
+        return (self.modules[act_node.target],) if act_node.op == "call_module" else ()
+
     # ------------------------------------------------------------------ rewrites
 
-    def _replace_module(self, target: str, module: nn.Module) -> None:
-        parent_name, _, leaf = target.rpartition(".")
-        parent = self.gm.get_submodule(parent_name) if parent_name else self.gm
-        setattr(parent, leaf, module)
+    def _replace(self, target: str, module: nn.Module) -> None:
         self.modules[target] = module
+        self.replaced[target] = module
+
+    def _take(self, target: str, pattern: str, found, build) -> nn.Module | None:  # type: ignore[no-untyped-def]
+        """The module that replaces ``target`` for this pattern (shared by every graph), put in place; None,
+        reported, where another graph of the model does not fuse ``target`` alike."""
+        fused = self.decisions.replacement((target, pattern, found.act, found.negative_slope), build)
+        if fused is None:
+            self._skip(target, _MODE_REASON)
+            return None
+        self._replace(target, fused)
+        return fused
 
     def _drop(self, act_node: fx.Node, replacement: fx.Node) -> None:
         act_node.replace_all_uses_with(replacement)
-        self.gm.graph.erase_node(act_node)
+        self.graph.erase_node(act_node)
 
     def _fuse_bn(self, act_node, found, bn_node, residual: fx.Node | None, add_node: fx.Node | None = None) -> bool:
         if not self._callable_once(bn_node) or not self._only_user(bn_node, add_node or act_node, bn_node.target):
             return False
-        fused, kind = fused_layer(self.modules[bn_node.target], found)
-        self._replace_module(bn_node.target, fused)
+        layer = self.modules[bn_node.target]
+        if not self._without_hooks(bn_node.target, layer, *self._act_module(act_node)):
+            return False
+        pattern = "bn+residual" if residual is not None else "bn"
+        fused = self._take(bn_node.target, pattern, found, lambda: fused_layer(layer, found)[0])
+        if fused is None:
+            return False
+        kind = f"{type(layer).__name__}+{found.display}"
         where = [bn_node.target, act_node.name]
         if residual is not None:
             add_node.prepend(bn_node)  # after the residual is computed (a downsample may come after the norm)
             bn_node.args = (bn_node.args[0], residual)
             self._drop(act_node, bn_node)
-            self.gm.graph.erase_node(add_node)
+            self.graph.erase_node(add_node)
             where.insert(1, add_node.name)
         else:
             self._drop(act_node, bn_node)
@@ -215,10 +263,13 @@ class _Rewriter:
     def _fuse_linear(self, act_node, found, linear_node) -> bool:
         if not self._callable_once(linear_node) or not self._only_user(linear_node, act_node, linear_node.target):
             return False
-        fused, kind = fused_layer(self.modules[linear_node.target], found)
-        self._replace_module(linear_node.target, fused)
+        layer = self.modules[linear_node.target]
+        if not self._without_hooks(linear_node.target, layer, *self._act_module(act_node)):
+            return False
+        if self._take(linear_node.target, "linear", found, lambda: fused_layer(layer, found)[0]) is None:
+            return False
         self._drop(act_node, linear_node)
-        self.report.fused.append(Fused(kind, (linear_node.target, act_node.name), "FusedLinear"))
+        self.report.fused.append(Fused(f"Linear+{found.display}", (linear_node.target, act_node.name), "FusedLinear"))
         return True
 
     def _fuse_depthwise(self, act_node: fx.Node, found) -> bool:
@@ -244,7 +295,9 @@ class _Rewriter:
                 self._skip(conv_node.target, reason)
             elif isinstance(found, activations.Unsupported):
                 self._skip(conv_node.target, unsupported_before_reason(found))
-            elif self._callable_once(conv_node):
+            elif self._callable_once(conv_node) and self._without_hooks(
+                conv_node.target, self.modules[conv_node.target], *self._act_module(act_node)
+            ):
                 candidates.append(conv_node)
         if not candidates:
             return False
@@ -260,11 +313,15 @@ class _Rewriter:
         if activations.in_place(act_node, self.modules) and not self._new_single_use(source):
             self._skip(conv_node.target, in_place_reason(shown))
             return False
-        fused, kind = fused_depthwise(self.modules[conv_node.target], found)
-        self._replace_module(conv_node.target, fused)
+        conv = self.modules[conv_node.target]
+        fused = self._take(conv_node.target, "depthwise", found, lambda: fused_depthwise(conv, found)[0])
+        if fused is None:
+            return False
         conv_node.args = (source,)
-        self.gm.graph.erase_node(act_node)
-        self.report.fused.append(Fused(kind, (act_node.name, conv_node.target), type(fused).__name__))
+        self.graph.erase_node(act_node)
+        self.report.fused.append(
+            Fused(f"{found.display}+depthwise Conv2d", (act_node.name, conv_node.target), type(fused).__name__)
+        )
         return True
 
     def _new_single_use(self, node: fx.Node) -> bool:
@@ -279,36 +336,51 @@ class _Rewriter:
         left, right = add_node.args[:2]
         norm = self._add_norm(add_node)
         wanted = self.strategy.fuse_bn_add_act if norm is not None else self.strategy.fuse_add_act
-        if not wanted:
-            return False
         where = norm.target if norm is not None else add_node.name
+        if not wanted:
+            if norm is not None:
+                self._skip(where, f"is added to a residual before {found.display}; fuse_bn_add_act is off")
+            return False
         if self.shapes is None:
             self._skip(where, "is followed by an add and an activation: fusing them needs example_inputs (shapes)")
             return False
         if len(add_node.users) != 1:
             self._skip(where, "has its add's result used besides the activation")
             return False
-        out_shape = self.shapes.get(add_node)
+        if add_node.target is operator.iadd and not self._new_single_use(left):
+            # ``x += y`` writes into x: whoever else holds x (an alias, the caller) sees the sum.
+            self._skip(
+                where,
+                f"is added in place into {left.name}, which is also read elsewhere (fusing would "
+                "leave it without the sum)",
+            )
+            return False
+        out_shape = self.shapes.get(add_node.name)
         if norm is not None:
             other = right if norm is left else left
-            if self.shapes.get(norm) != out_shape or self.shapes.get(other) != out_shape:
+            if self.shapes.get(norm.name) != out_shape or self.shapes.get(other.name) != out_shape:
                 self._skip(where, "is added to a tensor of another shape (a broadcast, not a residual)")
                 return False
             return self._fuse_bn(act_node, found, norm, residual=other, add_node=add_node)
-        full = next((n for n in (left, right) if self.shapes.get(n) == out_shape), None)
+        if not self._without_hooks(where, *self._act_module(act_node)):
+            return False
+        full = next((n for n in (left, right) if self.shapes.get(n.name) == out_shape), None)
         if full is None:
             self._skip(where, "adds two tensors, neither of the result's shape")
             return False
         other = right if full is left else left
-        with self.gm.graph.inserting_before(act_node):
+        with self.graph.inserting_before(act_node):
             kwargs = {"act": found.act}
             if found.negative_slope is not None:
                 kwargs["negative_slope"] = found.negative_slope
-            fused = self.gm.graph.call_function(add_act, (full, other), kwargs)
+            fused = self.graph.call_function(add_act, (full, other), kwargs)
         self._drop(act_node, fused)
-        self.gm.graph.erase_node(add_node)
+        self.graph.erase_node(add_node)
         self.report.fused.append(Fused(f"add+{found.display}", (add_node.name, act_node.name), "tfuse.add_act"))
         return True
+
+
+_MODE_REASON = "is fused in one mode's graph but not in the other's (the forward differs between train and eval)"
 
 
 def _is_tensor_add(node: fx.Node) -> bool:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from tfuse.fusion import activations
 from tfuse.fusion.activations import ActivationCall, Unsupported
+from tfuse.fusion.tracing import HOOK_ATTRIBUTES
 from tfuse.nn import FusedActDepthwiseConv2d, FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
 
 #: Batch norm layers (exact types: a subclass may compute something else) -> their fused layer.
@@ -30,8 +32,51 @@ def fused_layer(layer: nn.Module, found: ActivationCall) -> tuple[nn.Module, str
         return FusedLinear.from_linear(layer, act=found.act, negative_slope=found.negative_slope), (
             f"Linear+{found.display}"
         )
-    fused = FUSED_BATCH_NORM[type(layer)].from_batchnorm(layer, act=found.act, negative_slope=found.negative_slope)
+    base = next(kind for kind in FUSED_BATCH_NORM if isinstance(layer, kind))  # exact, or a recognised norm-act
+    fused = FUSED_BATCH_NORM[base].from_batchnorm(layer, act=found.act, negative_slope=found.negative_slope)
     return fused, f"{type(layer).__name__}+{found.display}"
+
+
+def norm_act_module(module: nn.Module) -> ActivationCall | Unsupported | None:
+    """The activation of a batch norm module that applies its own (timm's ``BatchNormAct2d``: F.batch_norm,
+    its ``drop``, then its ``act``), when ``drop`` does nothing; None for any other module.
+
+    Recognised by class and package (a class of the same name elsewhere may compute something else), and
+    only when the activation is a plain module tfuse knows (else Unsupported, to be reported).
+    """
+    kind = type(module)
+    if not (kind.__name__ == "BatchNormAct2d" and kind.__module__.startswith("timm.")):
+        return None
+    if not isinstance(module, nn.BatchNorm2d) or type(getattr(module, "drop", None)) is not nn.Identity:
+        return None
+    act = getattr(module, "act", None)
+    if not isinstance(act, nn.Module) or type(act) is nn.Identity:
+        return None
+    found = activations.of_module(act)
+    if found is None:
+        return Unsupported(type(act).__name__)
+    return found
+
+
+def hooks_reason(module: nn.Module) -> str | None:
+    """The report's reason for leaving a module with hooks alone (a fused call would not run them)."""
+    kinds = [
+        name.strip("_").replace("_", " ").removesuffix("s") for name in HOOK_ATTRIBUTES if getattr(module, name, None)
+    ]
+    if not kinds:
+        return None
+    return f"has a {' and a '.join(kinds)} on {type(module).__name__} (a fused call would not run it)"
+
+
+def subclass_reason(module: nn.Module) -> str | None:
+    """The report's reason for a subclass of a fusable layer: it may compute something else, so it is not fused."""
+    for base in (nn.BatchNorm1d, nn.BatchNorm2d, nn.Linear):
+        if isinstance(module, base) and type(module) is not base:
+            return (
+                f"is a {type(module).__name__}, a subclass of nn.{base.__name__}: only nn.{base.__name__} itself is "
+                "fused (a subclass may compute something else)"
+            )
+    return None
 
 
 def unsupported_reason(found: Unsupported) -> str:

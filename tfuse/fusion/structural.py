@@ -1,22 +1,18 @@
-"""Fusion where the forward does not trace: adjacent layers of ``nn.Sequential`` containers only.
+"""Fusion of neighbours in an ``nn.Sequential`` that untraced code calls whole (see :mod:`tfuse.fusion.partial`).
 
 An ``nn.Sequential`` runs its children one after another, so a BatchNorm or
-Linear child followed by an activation child computes act(layer(x)) whatever
-the surrounding forward does (assuming it calls the container, not its
-children one by one). That pair becomes the fused layer and an
+Linear child followed by an activation child computes act(layer(x)) when the
+container is called whole. That pair becomes the fused layer and an
 ``nn.Identity`` in the activation's slot, so indices and state-dict keys stay.
 Likewise an activation child followed by a depthwise nn.Conv2d child (not
 taken by a batch norm or Linear before it) becomes an ``nn.Identity`` and a
 ``FusedActDepthwiseConv2d``; an in-place activation only when the child
 before it is a layer with an output of its own (a convolution, Linear or
-norm), since the container's input may be the caller's tensor. Nothing else
-is touched. The containers on the way are copied, the layers and parameters
-are shared: the original model is left as it was.
+norm), since the container's input may be the caller's tensor. A child with
+hooks is not fused (a fused call would not run them). Nothing else is touched.
 """
 
 from __future__ import annotations
-
-import copy
 
 from torch import nn
 
@@ -25,6 +21,7 @@ from tfuse.fusion.layers import (
     depthwise_mismatch,
     fused_depthwise,
     fused_layer,
+    hooks_reason,
     in_place_reason,
     is_batch_norm,
     is_grouped_conv,
@@ -37,33 +34,8 @@ from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
 
 
-def fuse_sequentials(model: nn.Module, strategy: FusionStrategy, note: str) -> tuple[nn.Module, FusionReport]:
-    """A copy of ``model``'s module tree (sharing layers and parameters) with Sequential neighbours fused."""
-    report = FusionReport(method="structural", note=note)
-    root = _copy_tree(model, {})
-    for prefix, module in root.named_modules():
-        if type(module) is nn.Sequential:
-            _fuse_children(module, prefix, strategy, report)
-    return root, report
-
-
-def _copy_tree(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    """``module`` and its descendants as new Module objects whose parameters and buffers are the originals'
-    (a module reused at two places stays one object)."""
-    found = memo.get(id(module))
-    if found is not None:
-        return found
-    clone = copy.copy(module)
-    memo[id(module)] = clone
-    clone._modules = {
-        name: None if child is None else _copy_tree(child, memo) for name, child in module._modules.items()
-    }
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    return clone
-
-
-def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, report: FusionReport) -> None:
+def fuse_neighbours(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, report: FusionReport) -> None:
+    """Fuses the neighbouring children of ``seq`` (a container of tfuse's own, it is changed in place)."""
     names = list(seq._modules)
     index = 0
     while index + 1 < len(names):
@@ -80,6 +52,11 @@ def _fuse_children(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, re
             continue
         if isinstance(found, activations.Unsupported):
             report.skipped.append(Skipped(where, unsupported_reason(found)))
+            index += 1
+            continue
+        hooked = hooks_reason(layer) or hooks_reason(following)
+        if hooked is not None:
+            report.skipped.append(Skipped(where, hooked))
             index += 1
             continue
         fused, kind = fused_layer(layer, found)
@@ -107,6 +84,8 @@ def _fuse_depthwise(seq: nn.Sequential, prefix: str, index: int, report: FusionR
     before = seq._modules[names[index - 1]] if index > 0 else None
     if reason is None and getattr(act, "inplace", False) and (before is None or not makes_new_tensor(before)):
         reason = in_place_reason(shown)
+    if reason is None:
+        reason = hooks_reason(act) or hooks_reason(conv)
     if reason is not None:
         report.skipped.append(Skipped(where, reason))
         return False
