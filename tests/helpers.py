@@ -1,8 +1,12 @@
-"""Shared helpers for the tests: input layouts and error bounds for sums."""
+"""Shared helpers for the tests: input layouts, error bounds for sums, and subprocesses with timeouts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Sequence
+
+import pytest
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +160,28 @@ ACTIVATION_NAMES = tuple(member.label for member in Activation)
 #: or multiplies, from the input, none; a slope): the cross-products with every layout use these, and every
 #: other activation (whose path is one of these) is crossed with a few layouts only. (Test time, not coverage.)
 PATH_ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "identity")
+
+
+#: Multiplies every subprocess timeout of the tests (a loaded or slow machine: 2, 3...).
+TIMEOUT_SCALE_ENV = "TFUSE_TEST_TIMEOUT_SCALE"
+
+
+def run_command(command: Sequence[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` bounded by ``timeout`` seconds (times
+    $TFUSE_TEST_TIMEOUT_SCALE), so a hang fails instead of stalling CI. A run past its bound fails the test
+    with what ran, for how long, the machine's load, how to allow more time, and the end of its output."""
+    limit = timeout * float(os.environ.get(TIMEOUT_SCALE_ENV) or 1)
+    try:
+        return subprocess.run(list(command), capture_output=True, text=True, timeout=limit, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        output = (expired.stdout or b"")[-2000:] + (expired.stderr or b"")[-2000:]
+        if isinstance(output, bytes):
+            output = output.decode(errors="replace")
+        pytest.fail(
+            f"{' '.join(map(str, command))[:200]} did not finish in {limit:.0f} s (load average {load:.1f} on "
+            f"{os.cpu_count()} cores; a loaded machine runs it slower: {TIMEOUT_SCALE_ENV}=2 allows twice as "
+            f"long). The end of its output:\n{output}",
+            pytrace=False,
+        )
+

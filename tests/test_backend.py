@@ -15,6 +15,8 @@ from tfuse import Backend
 
 from conftest import ON_CUDA
 
+from helpers import run_command
+
 
 def test_auto_picks_triton_where_kernels_can_run(device):
     assert tfuse.select_backend(device, "add") is Backend.TRITON
@@ -71,9 +73,7 @@ def test_forced_triton_on_unsupported_device():
 def _run_without_interpreter(code: str, backend: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
     env["TFUSE_BACKEND"] = backend
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
-    )
+    return run_command([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=120)
 
 
 def test_forced_triton_on_cpu_without_interpreter_says_how_to_fix():

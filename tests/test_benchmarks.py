@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -331,7 +332,7 @@ def quick_run(tmp_path_factory):
     command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)]
     for name in ALL:
         command += ["--only", name]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = run_command(command, cwd=ROOT, env=env, timeout=900)
     return out, result
 
 

@@ -9,7 +9,6 @@ own groups. Every group is bounded by a timeout, so a deadlock fails.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from dist_helpers import run_world, scenario
 from dist_scenarios import SUITE, killed_rank, run_suite, stalled_rank
+from helpers import run_command
 
 import tfuse
 from tfuse.distributed import FusedDataParallel, init_process_group_from_env
@@ -289,9 +289,9 @@ def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path):
         pytest.skip("needs the source tree (examples/ is not installed)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--steps", "3"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=env, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3/3" in result.stdout and "replicas identical: True" in result.stdout, result.stdout
@@ -328,8 +328,7 @@ def test_destroy_process_group_frees_the_group_after_torch_imports_its_distribut
     destroy_process_group cannot free it and gloo's worker threads survive into interpreter
     shutdown. Importing tfuse first must leave none of them running after destroy_process_group."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", _GROUP_FREED_AT_DESTROY], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = run_command([sys.executable, "-c", _GROUP_FREED_AT_DESTROY], env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-1] == "0", "gloo worker threads still running after destroy_process_group"
 

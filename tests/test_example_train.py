@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from helpers import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 def test_the_example_trains_both_ways_and_they_agree(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
     command = [sys.executable, "-m", "tfuse.examples.train", "--quick", "--cpu", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = run_command(command, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
     assert "2 ranks (gloo on the CPU)" in out
@@ -44,6 +45,5 @@ def test_the_example_trains_both_ways_and_they_agree(tmp_path):
 
 def test_bad_arguments_are_refused():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tfuse.examples.train", "--batch", "7"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, "-m", "tfuse.examples.train", "--batch", "7"], cwd=ROOT, env=env, timeout=120)
     assert result.returncode == 2 and "--batch a multiple of --ranks" in result.stderr

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_command
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "gpu"
 MAX_FILES_BACK = 8
@@ -24,8 +26,7 @@ pytestmark = pytest.mark.skipif(not SCRIPTS.is_dir(), reason="needs the source t
 def _run_dry(script: str, out: Path, **env_extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
     env.update(OUT=str(out), PYTHON=sys.executable, **env_extra)
-    return subprocess.run(["bash", str(SCRIPTS / script), "--dry"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_command(["bash", str(SCRIPTS / script), "--dry"], cwd=ROOT, env=env, timeout=300)
 
 
 def test_both_calls_run_dry_and_bring_back_at_most_8_files(tmp_path):
@@ -68,8 +69,8 @@ def test_the_micro_table_flags_a_failed_check(tmp_path):
                          dict(family="clip", error="Traceback...\nRuntimeError: boom")])
     source, table_path = tmp_path / "micro.json", tmp_path / "micro.md"
     source.write_text(json.dumps(data))
-    result = subprocess.run([sys.executable, "-m", "benchmarks.micro", "--render", str(source), "--out", str(table_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, "-m", "benchmarks.micro", "--render", str(source), "--out", str(table_path)],
+                         cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     table = table_path.read_text()
     assert "| add | a+b | 0.5000 | 3000 | 100% | 1.0000 | 2.00x | - | 5.00e-01 | **NO** |" in table

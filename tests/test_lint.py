@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_command
+
 pytest.importorskip("ruff", reason="ruff is not installed (pip install -e '.[test]')")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +21,7 @@ LIBRARY = ["tfuse", "kernels"]
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return run_command([sys.executable, "-m", "ruff", *args], cwd=ROOT, timeout=120)
 
 
 def test_the_library_passes_ruff_check():

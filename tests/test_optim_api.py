@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -20,6 +19,8 @@ from conftest import ON_CUDA
 from optim_helpers import backward, make_pair, run_side_by_side, saved
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
 from tfuse.optim import _update
+
+from helpers import run_command
 
 PAIRS = [(FusedSGD, torch.optim.SGD), (FusedMomentum, torch.optim.SGD), (FusedAdam, torch.optim.Adam),
          (FusedAdamW, torch.optim.AdamW)]
@@ -282,7 +283,7 @@ def test_on_a_cpu_without_the_interpreter_describe_and_the_log_say_pytorch_path(
         print("LAUNCHES", launches.total, "VALUE", round(p[0].item(), 3))
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tfuse.BACKEND_ENV_VAR)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = run_command([sys.executable, "-c", script], env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     lines = {line.split(" ", 1)[0]: line for line in out.splitlines() if line.split(" ", 1)[0] in ("DESCRIBE", "REPR")}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = "import tfuse, tfuse.kernels; print(tfuse.kernels.__file__)"
@@ -31,11 +32,8 @@ def _source_copy(tmp_path: Path) -> Path:
 
 
 def _pip_install(args: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_command(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", *args], timeout=300
     )
     assert result.returncode == 0, result.stderr
 
@@ -44,7 +42,7 @@ def _import_from(target: Path, cwd: Path, editable: bool) -> list[str]:
     # An editable install works through a .pth file, which only site dirs process.
     code = f"import site; site.addsitedir({str(target)!r}); {CHECK}" if editable else CHECK
     env = dict(os.environ, PYTHONPATH=str(target), TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, "-c", code], cwd=cwd, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from helpers import run_command
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NOT_RUN = "<!-- readme-test: not run"
@@ -77,5 +78,5 @@ def test_example_runs_on_a_plain_cpu(block: Block, tmp_path: Path) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc, str(script)]
     else:
         command = [sys.executable, "-c", block.code]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = run_command(command, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"README block at line {block.line}:\n{result.stderr[-3000:]}"

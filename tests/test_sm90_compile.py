@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
@@ -36,7 +37,7 @@ SMS = 132
 def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a Triton 3.9 notice
-    result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    result = run_command([sys.executable, str(SCRIPT)], env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     by_kind: dict[str, list[dict]] = defaultdict(list)

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from helpers import run_command
+
 ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK_TRITON = """
@@ -30,8 +32,7 @@ sys.meta_path.insert(0, _NoTriton())
 def run_without_triton(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
     script = BLOCK_TRITON + textwrap.dedent(code)
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_command([sys.executable, "-c", script], cwd=ROOT, env=env, timeout=300)
 
 
 def test_every_op_runs_on_the_pytorch_path_without_triton():
