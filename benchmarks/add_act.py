@@ -35,7 +35,7 @@ def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
         cnn = cnn if not ctx.quick else [(32, 256, 56, 56)]
         dtypes = [torch.bfloat16, torch.float32]
     else:
-        mlp = [(512, 1024), (2048, 2048)] if not ctx.quick else [(256, 512)]
+        mlp = [(512, 1024), (2048, 2048)] if not ctx.quick else [(128, 256)]
         cnn = [(8, 64, 28, 28), (8, 128, 7, 7)] if not ctx.quick else [(2, 16, 14, 14)]
         dtypes = [torch.float32]
     acts = ["relu", "gelu"]

@@ -143,7 +143,8 @@ def _cpu_name() -> str:
 # pause spoils; the median skips them and the spread shows them.
 _CPU_SAMPLE_S = 0.0002
 _CPU_BUDGET_S = {False: 0.3, True: 0.03}  # per provider and configuration
-_CPU_ROUNDS = {False: (15, 200), True: (7, 50)}  # (min, max)
+_CPU_ROUNDS = {False: (15, 200), True: (4, 50)}  # (min, max); --quick is a smoke run: enough rounds for a spread
+_CPU_ESTIMATE_CALLS = {False: 3, True: 1}  # calls timed to estimate one call (after the warm-up call)
 # GPU: do_bench per round, its per-run times pooled over the rounds.
 _GPU_ROUNDS = {False: 5, True: 3}
 _GPU_WARMUP_MS = {False: 25, True: 5}
@@ -237,11 +238,11 @@ def _time_cpu(fns: Mapping[str, Callable[[], Any]], names: list[str], quick: boo
     gc.disable()
     try:
         calls = {}
-        for name in names:  # warm-up, and an estimate of one call (the fastest of three)
+        for name in names:  # warm-up, and an estimate of one call (the fastest of three; one in a smoke run)
             fn = fns[name]
             fn()
             estimate = math.inf
-            for _ in range(3):
+            for _ in range(_CPU_ESTIMATE_CALLS[quick]):
                 begin = time.perf_counter()
                 fn()
                 estimate = min(estimate, time.perf_counter() - begin)

@@ -228,12 +228,13 @@ def test_batchnorm1d(shape, device):
 
 @pytest.mark.parametrize("training", [True, False])
 def test_gradcheck_float64(training, device):
-    x = make_input((3, 4, 3, 2), torch.float64, device).requires_grad_()
-    residual = make_input((3, 4, 3, 2), torch.float64, device).requires_grad_()
-    weight = (torch.rand(4, device=device, dtype=torch.float64) + 0.5).requires_grad_()
-    bias = torch.randn(4, device=device, dtype=torch.float64).requires_grad_()
-    running_mean = torch.randn(4, device=device, dtype=torch.float64)
-    running_var = torch.rand(4, device=device, dtype=torch.float64) + 0.5
+    # Small: every input element is a gradcheck column (two forwards of three interpreted launches each).
+    x = make_input((2, 3, 2, 2), torch.float64, device).requires_grad_()
+    residual = make_input((2, 3, 2, 2), torch.float64, device).requires_grad_()
+    weight = (torch.rand(3, device=device, dtype=torch.float64) + 0.5).requires_grad_()
+    bias = torch.randn(3, device=device, dtype=torch.float64).requires_grad_()
+    running_mean = torch.randn(3, device=device, dtype=torch.float64)
+    running_var = torch.rand(3, device=device, dtype=torch.float64) + 0.5
 
     def fn(x, residual, weight, bias):
         mean, var = running_mean.clone(), running_var.clone()
@@ -397,7 +398,16 @@ def test_odd_sizes_both_backends_match_float64(shape, backend, device):
         grads = torch.autograd.grad(y, (x, weight, bias), dy)
     assert launches.total == (6 if backend == "triton" else 0)
     expected_y, (ex, er, ew, eb) = float64_reference(x, residual, weight, bias, "gelu", dy)
-    torch.testing.assert_close(y.double(), expected_y, rtol=1e-5, atol=1e-5)
+    # float32 centring x - mean loses |x| / |x - mean| of its digits (two close values in a channel of two): the
+    # bound grows with that condition number, times the normalising scale and gelu's slope (at most 1.13).
+    xd = x.detach().double()
+    dims = [0, 2, 3]
+    var, mean = torch.var_mean(xd, dims, correction=0, keepdim=True)
+    scale = weight.detach().double().view(1, -1, 1, 1).abs() * torch.rsqrt(var + 1e-5)
+    centring = 4 * torch.finfo(torch.float32).eps * (xd.abs() + mean.abs()) * scale * 1.13
+    error = (y.double() - expected_y).abs()
+    allowed = 1e-5 + 1e-5 * expected_y.abs() + centring
+    assert bool((error <= allowed).all()), f"forward: {error.max().item():.3e} beyond {allowed.flatten()[error.argmax()]:.3e}"
     for mine, theirs in zip(grads, (ex, ew, eb)):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-4, atol=1e-4)
 

@@ -373,7 +373,7 @@ def test_add_benchmark(quick_run):
     assert main, rows
     assert main[0]["launches"] == "1"  # one Triton launch (through the interpreter on a CPU)
     assert main[0]["eager ops"] == "2"
-    assert main[0]["elements"] == "100,000" and main[0]["MB moved"] == "1.60"  # 3 inputs + 1 output, float32
+    assert main[0]["elements"] == "20,000" and main[0]["MB moved"] == "0.32"  # 3 inputs + 1 output, float32
     assert {row["pattern"] for row in rows if row["eager ops"] == "7"} == {"8 inputs"}
     _time_cells(rows, next(h for h in rows[0] if h.endswith(" ms") and h.startswith("tfuse")), "eager ms", "compile ms")
 
@@ -499,8 +499,9 @@ def test_e2e_benchmark(quick_run):
     """--quick: the first group (a tiny ResNet-50, NCHW) on the CPU: eager and tfuse's PyTorch path, same losses."""
     table, rows = _table(quick_run, "e2e")
     assert [(row["model"], row["variant"]) for row in rows] == [("resnet50", "eager"), ("resnet50", "tfuse")]
-    assert all(row["check"] == "ok" for row in rows)  # each variant's first two losses agree with eager's
-    assert rows[0]["x eager"] == "1.00" and "not the performance of tfuse's GPU path" in table
+    # Each variant's first two losses agree with eager's (a mismatch takes the check cell; timing flags may not).
+    assert not any("MISMATCH" in row["check"] for row in rows)
+    assert rows[0]["x eager"].startswith("1.00") and "not the performance of tfuse's GPU path" in table
     for row in rows:
         assert float(row["wall ms/step"]) > 0 and float(row["host ms/step"]) > 0
 

@@ -1,7 +1,10 @@
 """The README's Python examples run as written on the machine a newcomer has (a CPU, no interpreter).
 
-Each ```python block runs in a fresh process without TRITON_INTERPRET, as a
-user's script would. The line before a block can say how else to run it:
+Each ```python block runs in a process of its own without TRITON_INTERPRET, as a
+user's script would: one runner process imports torch and tfuse once, then forks
+a child per block, which runs it in a fresh namespace and folder (the imports,
+~6 s each on a 2-core CPU, would otherwise be most of this file's time). The line
+before a block can say how else to run it:
 
 - ``<!-- readme-test: torchrun N -->``: the block is a torchrun script; it is
   written to a file and launched on N processes (gloo ranks on a CPU), as
@@ -12,6 +15,7 @@ user's script would. The line before a block can say how else to run it:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -21,6 +25,7 @@ from typing import NamedTuple
 import pytest
 
 from helpers import run_command
+
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NOT_RUN = "<!-- readme-test: not run"
@@ -60,14 +65,77 @@ def test_the_readme_has_examples() -> None:
         assert known, f"README block at line {block.line}: unknown marker {block.marker!r}"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{block.line}" for block in BLOCKS])
-def test_example_runs_on_a_plain_cpu(block: Block, tmp_path: Path) -> None:
-    if block.marker.startswith(NOT_RUN):
-        pytest.skip(f"README block at line {block.line} is marked as not runnable here: {block.marker}")
-    # As a user's shell has it: no interpreter, automatic backend; one thread per process, as two
-    # ranks (or two xdist workers) share a small machine's cores.
+#: Runs blocks given as a JSON list of [line, code] in its argv[1]: torch and tfuse imported once, then a
+#: forked child per block (its own namespace, folder and output files); prints a JSON line per block.
+_RUNNER = r"""
+import json, os, sys, time, traceback
+import torch, tfuse  # once, for every block
+blocks, root, timeout = json.load(open(sys.argv[1])), sys.argv[2], float(sys.argv[3])
+for line, code in blocks:
+    folder = os.path.join(root, f"line{line}")
+    os.makedirs(folder)
+    out = os.path.join(folder, "stderr.txt")
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(folder)
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+        os.dup2(fd, 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        try:
+            exec(compile(code, f"README.md line {line}", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stderr.flush()
+        os._exit(status)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            status = -1
+            break
+        time.sleep(0.05)
+    said = open(out).read()[-3000:] + (f"(killed after {timeout:.0f} s)" if status == -1 else "")
+    print(json.dumps({"line": line, "status": status, "stderr": said}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_results(tmp_path_factory) -> dict[int, dict]:
+    """Every plain block, run by one runner process (see _RUNNER): line -> status and stderr."""
+    blocks = [[block.line, block.code] for block in BLOCKS if block.marker == ""]
+    root = tmp_path_factory.mktemp("readme")
+    listing = root / "blocks.json"
+    listing.write_text(json.dumps(blocks))
+    env = _user_env()
+    result = run_command([sys.executable, "-c", _RUNNER, str(listing), str(root / "runs"), str(TIMEOUT_S)], env=env,
+                         timeout=TIMEOUT_S * len(blocks))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {entry["line"]: entry for entry in map(json.loads, result.stdout.splitlines())}
+
+
+def _user_env() -> dict[str, str]:
+    """As a user's shell has it: no interpreter, automatic backend; one thread per process, as two ranks (or
+    two xdist workers) share a small machine's cores."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
     env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{block.line}" for block in BLOCKS])
+def test_example_runs_on_a_plain_cpu(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if block.marker.startswith(NOT_RUN):
+        pytest.skip(f"README block at line {block.line} is marked as not runnable here: {block.marker}")
+    if block.marker == "":
+        outcome = request.getfixturevalue("plain_results")[block.line]
+        assert outcome["status"] == 0, f"README block at line {block.line}:\n{outcome['stderr']}"
+        return
+    env = _user_env()
     torchrun = TORCHRUN.fullmatch(block.marker)
     if torchrun:
         # A file, not -c: torchrun runs a script. cwd is tmp_path, so files the block writes
@@ -76,7 +144,7 @@ def test_example_runs_on_a_plain_cpu(block: Block, tmp_path: Path) -> None:
         script.write_text(block.code)
         nproc = f"--nproc_per_node={torchrun.group(1)}"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc, str(script)]
-    else:
-        command = [sys.executable, "-c", block.code]
+    else:  # an unknown marker: test_the_readme_has_examples names it
+        pytest.fail(f"README block at line {block.line}: unknown marker {block.marker!r}")
     result = run_command(command, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"README block at line {block.line}:\n{result.stderr[-3000:]}"
