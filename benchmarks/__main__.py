@@ -1,7 +1,7 @@
 """Runs tfuse's benchmarks: ``python -m benchmarks [--only NAME] [--quick] [--no-compile] [--out DIR]``.
 
 A run writes its tables and plots to a scratch folder (printed; by default
-``<tmp>/tfuse-benchmarks``), never over the measured tables committed in
+a new ``<tmp>/tfuse-benchmarks-*``), never over the measured tables committed in
 ``benchmarks/results/``: replacing those is an explicit ``--out benchmarks/results``.
 
 On a machine without a GPU, Triton's interpreter is switched on before
@@ -25,8 +25,9 @@ BENCHMARKS = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allre
 
 
 def default_out_dir() -> Path:
-    """Where a run writes when --out is not given: a scratch folder, not the committed benchmarks/results/."""
-    return Path(tempfile.gettempdir()) / "tfuse-benchmarks"
+    """Where a run writes when --out is not given: a new scratch folder (two runs never overwrite each other's
+    tables), not the committed benchmarks/results/."""
+    return Path(tempfile.mkdtemp(prefix="tfuse-benchmarks-"))
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="few sizes and short timings: a smoke run")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
     parser.add_argument("--out", type=Path, default=None,
-                        help=f"results folder (default: {default_out_dir()}); "
+                        help=f"results folder (default: a new folder {Path(tempfile.gettempdir()) / 'tfuse-benchmarks-*'}); "
                              "`--out benchmarks/results` replaces the committed tables")
     return parser.parse_args(argv)
 

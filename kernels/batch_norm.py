@@ -96,6 +96,15 @@ def _bn_chunk(n_rows, rows_per_chunk, INDEX_64: tl.constexpr):
 
 
 @triton.jit
+def _finite_or_zero(values):
+    """A shift must be finite: an inf shift turns an inf mean into inf - inf = NaN (torch's CPU mean is inf).
+
+    Any finite shift gives the same statistics; 0 stands in for inf/NaN.
+    """
+    return tl.where(tl.abs(values) < float("inf"), values, 0.0)
+
+
+@triton.jit
 def _bn_lane_params(
     p_ptr, var_ptr, weight_ptr, bias_ptr, channels, mask, C, eps,
     FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr, acc: tl.constexpr,
@@ -176,12 +185,13 @@ def _bn_stats_partial_kernel(
     cols = start + lanes
     first_offset = tl.multiple_of(row_begin * n_cols, VEC)
     if SEG == SEG_PACKED:  # each channel's first value, spread over its lanes
-        first_row = tl.load(x_ptr + first_offset + cols, mask=cols < end, other=0.0).to(acc)
+        first_row = _finite_or_zero(tl.load(x_ptr + first_offset + cols, mask=cols < end, other=0.0).to(acc))
         shift = tl.gather(first_row, (lanes // SS) * SS, 0)[None, :]
     else:  # the row broadcast over the tile's BN rows (its own layout, no shuffle; the repeats hit in cache)
         same_row = tl.zeros([BN], tl.int32)[:, None]
         first = tl.load(x_ptr + first_offset + same_row + cols[None, :],
                         mask=(same_row == 0) & (cols < end)[None, :], other=0.0).to(acc)
+        first = _finite_or_zero(first)
         if SEG == SEG_LANE:  # each column a channel: its first value
             shift = first
         else:  # one channel: the mean of its first row's first piece
@@ -218,7 +228,8 @@ def _bn_stats_partial_kernel(
         else:
             channel_shift = tl.gather(first_row, tl.minimum((channels - start // SS) * SS, BL - 1), 0)
         mean = channel_shift + s1 / count
-        m2 = tl.maximum(s2 - s1 * (s1 / count), 0.0)
+        # The clamp keeps a NaN (a NaN input makes the variance NaN, as torch's); maximum alone would drop it.
+        m2 = tl.maximum(s2 - s1 * (s1 / count), 0.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(out + channels, mean, mask=channel_mask)
         tl.store(out + tl.num_programs(1) * C + channels, m2, mask=channel_mask)
 
@@ -242,6 +253,7 @@ def _bn_stats_final_kernel(
     channel_mask = channels < C
     partials = buf_ptr + 4 * C
     shift = tl.load(partials + channels, mask=channel_mask, other=0.0)
+    shift = _finite_or_zero(shift)  # chunk 0's mean
     w1 = tl.zeros([BLOCK_K, BLOCK_C], acc)
     w2 = tl.zeros([BLOCK_K, BLOCK_C], acc)
     for k0 in range(0, n_chunks, BLOCK_K):
@@ -258,7 +270,7 @@ def _bn_stats_final_kernel(
     s2 = tl.sum(w2, axis=0)
     total = n_rows.to(acc) * SS
     mean = shift + s1 / total
-    m2 = tl.maximum(s2 - s1 * (s1 / total), 0.0)
+    m2 = tl.maximum(s2 - s1 * (s1 / total), 0.0, propagate_nan=tl.PropagateNan.ALL)
     invstd = 1.0 / tl.sqrt(m2 / total + eps)
     if AFFINE:
         weight = tl.load(weight_ptr + channels, mask=channel_mask, other=0.0).to(acc)

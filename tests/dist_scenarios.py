@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_helpers import run_named
 
-from tfuse.distributed import FusedDataParallel
+from tfuse.distributed import FusedDataParallel, LocalSGD, ShardedOptimizer
 from tfuse.flat import flat_params_of
 from tfuse.optim import FusedAdam, FusedMomentum
 
@@ -281,6 +281,23 @@ def mismatch(rank: int, world: int) -> dict:
         errors["option"] = None
     except RuntimeError as error:
         errors["option"] = str(error)
+    # One more parameter on the last rank, for every class that communicates over the model's parameters:
+    # each must name it before its first collective (a broadcast over buffers of different sizes aborts or hangs).
+    builders = {
+        "count_fdp": lambda model: FusedDataParallel(model),
+        "count_sharded": lambda model: ShardedOptimizer(model.parameters(), FusedAdam, lr=0.1),
+        "count_local_sgd_fused": lambda model: LocalSGD(model, FusedMomentum(model.parameters(), lr=0.1), 2),
+        "count_local_sgd_torch": lambda model: LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), 2),
+    }
+    for name, build in builders.items():
+        model = net()
+        if last:
+            model.add_module("extra", torch.nn.Linear(2, 2))
+        try:
+            build(model)
+            errors[name] = None
+        except RuntimeError as error:
+            errors[name] = str(error)
     dist.barrier()
     return errors
 
@@ -383,6 +400,21 @@ def buffers(rank: int, world: int) -> dict:
             opt.step()
     state = {"fdp": [t.clone() for t in wrapped.module.state_dict().values()],
              "ddp": [t.clone() for t in ddp.module.state_dict().values()]}
+    # Gradient accumulation: inside no_sync() no buffer broadcast either (each rank's statistics until the
+    # synchronising step), and the forward after it neither: DDP's rule, statistics compared after each pass.
+    accumulated = {"fdp": [], "ddp": []}
+    first, second = global_batches(world, 2)
+    for name, model, opt in (("fdp", wrapped, opts[0]), ("ddp", ddp, opts[1])):
+        opt.zero_grad()
+        with model.no_sync():
+            loss_of(model, shard(first, rank)).backward()
+        accumulated[name].append(model.module[1].running_mean.clone())
+        loss_of(model, shard(second, rank)).backward()
+        accumulated[name].append(model.module[1].running_mean.clone())
+        opt.step()
+        loss_of(model, shard(first, rank)).backward()  # after a synced pass: broadcast again
+        accumulated[name].append(model.module[1].running_mean.clone())
+    state["accumulated"] = accumulated
     if rank == 0:  # evaluation on one rank alone: must not issue a collective (it would hang)
         wrapped.eval()
         with torch.no_grad():

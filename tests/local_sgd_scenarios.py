@@ -279,9 +279,27 @@ def resume(rank: int, world: int) -> dict:
     net, opt, local = fresh()
     net.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
+    # Bad checkpoints first: each must raise ValueError naming the problem and change nothing.
+    before = copy.deepcopy(local.state_dict())
+    refusals = []
+    for broken in ({k: v for k, v in saved["local"].items() if k != "iterations"},
+                   {**saved["local"], "snapshots": [t[:-1] for t in saved["local"]["snapshots"]]},
+                   {**saved["local"], "sync_every": 4}):
+        try:
+            local.load_state_dict(broken)
+            refusals.append(None)
+        except ValueError as error:
+            refusals.append(str(error))
+    after = local.state_dict()
+    unchanged = all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for key in before for a, b in (zip(before[key], after[key]) if isinstance(before[key], list)
+                                       else [(before[key], after[key])])
+    )
     local.load_state_dict(saved["local"])
     _train(net, opt, local, data[2:], rank)
-    return {"resumed": params_of(net), "straight": straight, "syncs": local.syncs, "iterations": local.iterations}
+    return {"resumed": params_of(net), "straight": straight, "syncs": local.syncs, "iterations": local.iterations,
+            "refusals": refusals, "unchanged": unchanged}
 
 
 def killed_rank(rank: int, world: int) -> dict:
@@ -298,7 +316,53 @@ def killed_rank(rank: int, world: int) -> dict:
     return {"finished": True}
 
 
+def layout_changes(rank: int, world: int) -> dict:
+    """k=2 through a layout change of every kind, for a fused and a torch.optim inner optimizer: a weight frozen
+    mid-interval (its replicas differ, so the next sync averages it once more), a bias re-initialised with
+    ``.data =``, and a weight unfrozen; every iteration equals the replicas trained alone and averaged at syncs."""
+    runs = {}
+    for name, make_opt in (("fused", lambda ps: FusedMomentum(ps, lr=0.1, momentum=0.9)),
+                           ("torch", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))):
+        net = model()
+        net[2].weight.requires_grad_(False)  # frozen from the start: unfrozen at iteration 5
+        opt = make_opt(net.parameters())
+        local = LocalSGD(net, opt, sync_every=2)
+        copies = [model() for _ in range(world)]
+        for replica in copies:
+            replica[2].weight.requires_grad_(False)
+        ref_opts = [torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9) for c in copies]
+        trajectory, expected = [], []
+        for iteration, batch in enumerate(batches(world, 6), start=1):
+            for m in (net, *copies):
+                if iteration == 4:  # after iteration 3's local step: the replicas of this weight differ
+                    m[0].weight.requires_grad_(False)
+                if iteration == 5:
+                    m[2].weight.requires_grad_(True)
+                    m[2].bias.data = torch.full_like(m[2].bias, 0.25)  # re-initialised (new storage)
+            opt.zero_grad()
+            loss_of(net, batch, rank).backward()
+            local.step()
+            step_replicas(copies, ref_opts, batch)
+            if iteration % 2 == 0:
+                average_into(copies)
+            trajectory.append(params_of(net))
+            expected.append(params_of(copies[rank]))
+        runs[name] = {"trajectory": trajectory, "expected": expected, "syncs": local.syncs}
+    # A parameter replaced by a new nn.Parameter: the flat buffers and the optimizer hold the old one.
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    local = LocalSGD(net, opt, sync_every=1)
+    net[0].bias = torch.nn.Parameter(torch.zeros(16, dtype=torch.float64))
+    try:
+        local.sync()
+        runs["replaced"] = "no error"
+    except RuntimeError as error:
+        runs["replaced"] = str(error)
+    return runs
+
+
 SUITE = {
+    "layout_changes": layout_changes,
     "every_step": every_step, "replicas": replicas, "outer": outer, "warmup": warmup, "buffers": buffers,
     "resume": resume, "adaptive": adaptive,
 }

@@ -132,8 +132,19 @@ def tune(rank: int, world: int) -> dict:
     x, y = batches(world, 1)[0]
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     tuning = tfuse.tune_buckets(model, torch.nn.functional.mse_loss, (x[rows], y[rows]),
-                                candidates=[(1e-4, None), (None, None), (None, 2)], steps=3, warmup=1, rounds=2)
+                                candidates=[(1e-4, None), (None, None), (64, None), (None, 2)], steps=3, warmup=1,
+                                rounds=2)
+    errors = []
+    for bad_model, bad_batch in ((torch.nn.ReLU(), (x[rows], y[rows])), (model, (x[rows],))):
+        try:
+            tfuse.tune_buckets(bad_model, torch.nn.functional.mse_loss, bad_batch, steps=1, rounds=1)
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
     return {
+        "errors": errors,
+        "same": [r.same_buckets for r in tuning.rows],
+        "measurable": tuning.measurable,
         "rows": [(r.bucket_mb, r.max_params_per_bucket, r.buckets, r.median_ms) for r in tuning.rows],
         "best": (tuning.best.bucket_mb, tuning.best.max_params_per_bucket),
         "text": str(tuning),

@@ -268,6 +268,71 @@ def _data_parallel_scaler(rank: int, world: int, reduce: str) -> dict:
             "synced": synced, "calls": (wrapped.num_allreduce_calls, wrapped.num_reduce_calls)}
 
 
+CLIP = 0.05  # below the gradients' norm at every step: the clip scales them
+
+
+def _clip_run(rank: int, world: int, idiom: str, wrap: bool) -> dict:
+    """Three momentum steps of the body with one clipping idiom, against torch on the whole batch + torch's clip."""
+    body = model()["body"]
+    net = FusedDataParallel(body, bucket_mb=0.001) if wrap else body
+    reference = model()["body"]
+    opt = ShardedOptimizer(net if wrap else net.parameters(), FusedMomentum, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    result = {"error": None, "steps": 0}
+    for batch in batches(world):
+        x, y = batch[0][rank * BATCH : (rank + 1) * BATCH], batch[1][rank * BATCH : (rank + 1) * BATCH]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        if idiom == "optimizer_method":
+            opt.clip_grad_norm_(CLIP)
+        elif idiom == "tfuse_on_parameters":
+            tfuse.optim.clip_grad_norm_(net.parameters(), CLIP)
+        elif idiom == "tfuse_on_optimizer":
+            tfuse.optim.clip_grad_norm_(opt, CLIP)
+        elif idiom == "torch_on_parameters":
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        elif idiom == "uniform_edit":  # every rank halves its gradients alike: not a clip, must step
+            for param in net.parameters():
+                param.grad.mul_(0.5)
+        before = params_of(net)
+        try:
+            opt.step()
+        except RuntimeError as error:
+            result["error"] = str(error)
+            result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params_of(net)))
+            return result
+        result["steps"] += 1
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(batch[0]), batch[1]).backward()
+        if idiom == "uniform_edit":
+            for param in reference.parameters():
+                param.grad.mul_(0.5)
+        else:
+            result["reference_norm"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP))
+        ref_opt.step()
+    result.update(params=params_of(net), reference=params_of(reference))
+    return result
+
+
+def clip_idioms(rank: int, world: int) -> dict:
+    """Every way a user clips under ShardedOptimizer, with and without FusedDataParallel: right or a clear error."""
+    results = {}
+    for wrap in (True, False):
+        for idiom in ("optimizer_method", "tfuse_on_parameters", "tfuse_on_optimizer", "torch_on_parameters",
+                      "uniform_edit"):
+            results[(idiom, wrap)] = _clip_run(rank, world, idiom, wrap)
+    body = FusedDataParallel(model()["body"], bucket_mb=0.001)
+    opt = ShardedOptimizer(body, FusedMomentum, lr=0.1)
+    body(torch.randn(2, 6, dtype=torch.float64)).sum().backward()
+    try:
+        tfuse.optim.clip_grad_norm_(list(body.parameters())[:2], CLIP)
+        results["subset"] = None
+    except ValueError as error:
+        results["subset"] = str(error)
+    del opt
+    return results
+
+
 def masters(rank: int, world: int) -> dict:
     """master_weights=True on bfloat16 parameters: every rank feeds the same gradients (their average is exact), so
     the sharded trajectory, masters included, must equal the unsharded FusedAdam's bit for bit; each rank keeps the
@@ -345,13 +410,34 @@ def reload(rank: int, world: int, consolidated: dict, sharded: list[dict]) -> di
         other.load_state_dict(_rank_dict(opt))
     except ValueError as caught:
         layout_error = str(caught)
+    # Another optimizer family's state (torch SGD with momentum): refused at load, nothing changed.
+    sgd_net = model()
+    sgd = torch.optim.SGD(sgd_net.parameters(), lr=0.1, momentum=0.9)
+    rank_loss(sgd_net, batches(world, 1)[0], 0, 1).backward()
+    sgd.step()
+    before = opt.consolidated_state_dict(to=0)
+    try:
+        opt.load_state_dict(sgd.state_dict())
+        family_error = None
+    except ValueError as caught:
+        family_error = str(caught)
+    after_refusal = opt.consolidated_state_dict(to=0)  # (every rank takes part in the gather; rank 0 gets it)
+    family_unchanged = before is None or _same_state(before, after_refusal)
     # Training goes on from the loaded state (the lr comes from the checkpoint, as in torch).
     for step, batch in enumerate(batches(world, 1)):
         opt.zero_grad()
         rank_loss(net, batch, rank, step + 1).backward()
         opt.step()
     return {"again": again, "error": error, "layout_error": layout_error, "lr": opt.param_groups[0]["lr"],
-            "after": opt.consolidated_state_dict(to=0), "params": params_of(net)}
+            "after": opt.consolidated_state_dict(to=0), "params": params_of(net), "family_error": family_error,
+            "family_unchanged": family_unchanged}
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][key][name]))
+        for key, entry in a["state"].items() for name, v in entry.items()
+    )
 
 
 def _rank_dict(opt: ShardedOptimizer) -> dict:
@@ -381,6 +467,7 @@ SUITE = {
     "data_parallel": data_parallel,
     "data_parallel_scaler": data_parallel_scaler,
     "masters": masters,
+    "clip_idioms": clip_idioms,
     "memory": memory,
     "save": save,
 }

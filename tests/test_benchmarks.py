@@ -502,6 +502,7 @@ def test_e2e_benchmark(quick_run):
     # Each variant's first two losses agree with eager's (a mismatch takes the check cell; timing flags may not).
     assert not any("MISMATCH" in row["check"] for row in rows)
     assert rows[0]["x eager"].startswith("1.00") and "not the performance of tfuse's GPU path" in table
-    for row in rows:
-        assert float(row["wall ms/step"]) > 0 and float(row["host ms/step"]) > 0
+    for row in rows:  # (a flagged cell reads "12.34 (noisy)")
+        assert float(row["wall ms/step"].split()[0]) > 0 and float(row["host ms/step"].split()[0]) > 0
+
 

@@ -21,6 +21,8 @@ from torch import nn
 from torch.library import opcheck
 
 import tfuse
+
+tfuse.ops.register_library()  # the tests below call torch.ops.tfuse.* directly
 from tests.optim_helpers import make_pair, run_side_by_side
 from tfuse.ops._activations import Activation
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD

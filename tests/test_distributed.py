@@ -146,6 +146,13 @@ def test_a_model_that_differs_across_ranks_fails_at_construction_on_every_rank(w
     assert f"rank {last} differs from rank 0" in shape_error
     assert "parameter '2.weight'" in shape_error and "(7, 10)" in shape_error and "(7, 11)" in shape_error
     assert "option bucket_mb: rank 0 has 1, rank" in option_error and "has 2" in option_error
+    for name, owner in (("count_fdp", "FusedDataParallel"), ("count_sharded", "ShardedOptimizer"),
+                        ("count_local_sgd_fused", "LocalSGD"), ("count_local_sgd_torch", "LocalSGD")):
+        messages = {r[name] for r in ranks}
+        assert len(messages) == 1, name  # the same on every rank, raised at once (no hang, no abort)
+        message = messages.pop()
+        assert message is not None and message.startswith(f"{owner}: the model on rank {last} differs"), message
+        assert "extra" in message or "#" in message, message  # names the parameter (or its place)
 
 
 def test_buckets_go_out_in_order_whatever_order_the_hooks_fire_in(world):
@@ -174,6 +181,8 @@ def test_module_buffers_follow_rank_0_like_ddp_and_evaluation_issues_no_collecti
     for result in scenario(world2, "buffers"):
         assert torch.equal(result["after_wrap"], torch.zeros(5, dtype=torch.float64))  # rank 0's running_mean
         assert_all_close(result["fdp"], result["ddp"], **TIGHT)
+        # Through gradient accumulation (no_sync): each rank's statistics as DDP keeps them, pass by pass.
+        assert_all_close(result["accumulated"]["fdp"], result["accumulated"]["ddp"], **TIGHT)
 
 
 def test_requires_grad_change_needs_rewrapping_and_rewrapping_works(world2):

@@ -47,3 +47,21 @@ def test_bad_arguments_are_refused():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = run_command([sys.executable, "-m", "tfuse.examples.train", "--batch", "7"], cwd=ROOT, env=env, timeout=120)
     assert result.returncode == 2 and "--batch a multiple of --ranks" in result.stderr
+
+
+def test_digits_without_scikit_learn_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    from tfuse.examples import train
+
+    real = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    with pytest.raises(SystemExit) as raised:
+        train.parse(["--data", "digits", "--cpu"])
+    assert raised.value.code == 2 and "--data digits needs scikit-learn" in capsys.readouterr().err
+
+
+def test_each_run_gets_its_own_output_folder():
+    from benchmarks.__main__ import default_out_dir
+
+    first, second = default_out_dir(), default_out_dir()
+    assert first != second and first.is_dir() and second.is_dir()
+    first.rmdir(), second.rmdir()

@@ -88,6 +88,11 @@ def test_a_checkpoint_taken_mid_interval_resumes_exactly(world2):
         assert (result["iterations"], result["syncs"]) == (5, 1)
         for a, b in zip(result["resumed"], result["straight"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        no_iterations, short_snapshots, other_interval = result["refusals"]
+        assert no_iterations is not None and "lacks iterations" in no_iterations
+        assert short_snapshots is not None and "snapshots do not match" in short_snapshots
+        assert other_interval is not None and "sync_every=4" in other_interval
+        assert result["unchanged"]  # validated first: nothing was overwritten before the error
 
 
 def test_the_adaptive_interval_measures_the_replicas_divergence_and_doubles_or_halves(world2):
@@ -98,6 +103,17 @@ def test_the_adaptive_interval_measures_the_replicas_divergence_and_doubles_or_h
         for run in (doubling, halving):
             assert all(d > 0 for d in run["expected"])
             torch.testing.assert_close(torch.tensor(run["measured"]), torch.tensor(run["expected"]), rtol=1e-6, atol=0)
+
+
+def test_syncs_follow_freezing_unfreezing_and_replaced_storage_with_fused_and_torch_inner_optimizers(world2):
+    for result in scenario(world2, "layout_changes"):
+        for name in ("fused", "torch"):
+            run = result[name]
+            assert run["syncs"] == 3, name
+            for step, (ours, theirs) in enumerate(zip(run["trajectory"], run["expected"]), start=1):
+                for mine, other in zip(ours, theirs):
+                    torch.testing.assert_close(mine, other, **TIGHT, msg=lambda m, s=step, n=name: f"{n} {s}: {m}")
+        assert "a parameter replaced by a new nn.Parameter" in result["replaced"]
 
 
 def test_a_killed_rank_makes_the_others_raise():

@@ -189,3 +189,38 @@ def test_batch_norm_act_at_special_values(act, training, dtype, backend, device)
             assert ok.all(), f"{act} {name}: {mine} against {theirs}"
         else:
             assert_matches(mine, theirs, mine.dtype, f"{act} {name}", check, **tolerance)
+
+
+# (shape, channels_last): a long NCHW row (one channel per program), short NCHW rows (several channels per
+# program) and channels_last (a channel per lane): each way the statistics kernels read a channel.
+STAT_LAYOUTS = [((2, 5, 40, 40), False), ((4, 5, 2, 3), False), ((4, 5, 2, 3), True)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, channels_last", STAT_LAYOUTS, ids=["long_rows", "short_rows", "channels_last"])
+def test_batch_norm_statistics_keep_nan_and_inf_as_torch(shape, channels_last, dtype, backend, device):
+    """Training statistics with NaN/inf in the input: torch's CPU batch norm (a sum, not Welford) is the reference.
+
+    Channel 0 has one NaN (mean and variance NaN), channel 1 +inf as the very first element (the kernels' shift
+    value), channel 2 +inf in the middle (mean inf, variance NaN), channel 3 -inf first and +inf later (mean
+    NaN), channel 4 is finite.
+    """
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    x[1, 0, 0, 1] = NAN
+    x[0, 1, 0, 0] = INF
+    x[1, 2, 1, 2] = INF
+    x[0, 3, 0, 0], x[1, 3, 1, 0] = -INF, INF
+    x = x.to(device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    mean, var = torch.full((5,), 0.5, device=device), torch.full((5,), 2.0, device=device)
+    with tfuse.use_backend(backend):
+        y = batch_norm_act(x, mean, var, training=True, momentum=0.1)
+    ref_mean, ref_var = torch.full((5,), 0.5), torch.full((5,), 2.0)
+    ref_y = F.batch_norm(x.cpu().float(), ref_mean, ref_var, training=True, momentum=0.1).relu()
+    assert ref_mean[1] == INF and ref_mean[0].isnan() and ref_var[1].isnan() and ref_mean[4].isfinite()
+    for name, mine, theirs in (("running_mean", mean, ref_mean), ("running_var", var, ref_var)):
+        torch.testing.assert_close(mine.cpu(), theirs, equal_nan=True, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert same_class(y.cpu().double(), ref_y.double()).all()

@@ -111,6 +111,13 @@ def test_tune_buckets_measures_every_candidate_and_agrees_across_ranks(world2):
         settings = [(mb, cap, calls) for mb, cap, calls, _ in result["rows"]]
         # 1e-4 MB caps each bucket at one parameter's gradient or less: one call per gradient tensor.
         assert settings == [(1e-4, None, 6), (None, None, 1), (None, 2, 3)]
+        assert result["same"] == [(), ((64, None),), ()]  # one bucket either way: timed once, shown in that row
+        assert "same buckets: 64, None" in result["text"]
+        verdict = result["text"].splitlines()[-1]
+        assert ("no measurable difference" in verdict) == (not result["measurable"])
+        no_params, no_target = result["errors"]
+        assert no_params is not None and "has no parameters" in no_params
+        assert no_target is not None and "(inputs, target) pair" in no_target and "length 1" in no_target
         assert all(ms > 0 for *_, ms in result["rows"])
         fastest = min(result["rows"], key=lambda row: row[3])
         assert result["best"] == fastest[:2]
@@ -123,3 +130,18 @@ def test_tune_buckets_measures_every_candidate_and_agrees_across_ranks(world2):
 def test_tune_buckets_needs_a_process_group():
     with pytest.raises(RuntimeError, match="tune_buckets: torch.distributed is not initialized"):
         tfuse.tune_buckets(net(), torch.nn.functional.mse_loss, (torch.randn(2, 6).double(), torch.randn(2, 3).double()))
+
+
+def test_tune_buckets_says_when_the_difference_is_not_measurable():
+    from tfuse.fusion.tune import BucketTiming, BucketTuning
+
+    fast = BucketTiming(1, None, 4, median_ms=10.0, q1_ms=9.5, q3_ms=10.5)
+    close = BucketTiming(4, None, 2, median_ms=10.4, q1_ms=10.2, q3_ms=10.9)  # its q1 inside fast's range
+    far = BucketTiming(None, None, 1, median_ms=14.0, q1_ms=13.0, q3_ms=15.0)
+    overlapping = BucketTuning([fast, close, far], fast, world_size=2, steps=10)
+    assert not overlapping.measurable and "no measurable difference" in str(overlapping)
+    clear = BucketTuning([fast, far], fast, world_size=2, steps=10)
+    assert clear.measurable and str(clear).splitlines()[-1].startswith("Recommended: FusionStrategy(")
+    assert "no measurable" not in str(clear)
+    alone = BucketTuning([fast], fast, world_size=2, steps=10)
+    assert "the setting does not matter here" in str(alone)

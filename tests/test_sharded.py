@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world, scenario
-from sharded_scenarios import OPTIMIZERS, killed_rank, model, run_suite
+from sharded_scenarios import CLIP, OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
 from tfuse.optim import FusedAdam
@@ -32,7 +32,7 @@ def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
     return _suite(2, ["momentum", "adam", "adamw", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
-                          "data_parallel_scaler", "masters", "memory", "save"])
+                          "data_parallel_scaler", "masters", "memory", "save", "clip_idioms"])
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,28 @@ def test_under_fused_data_parallel_backward_reduces_to_the_owners_with_no_all_re
         assert result["after_delete"] == (result["n_buckets"], 0)  # the optimizer gone: all-reduce again
 
 
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["data_parallel", "plain_model"])
+def test_every_clipping_idiom_is_right_or_names_the_one_to_use(world2, wrapped):
+    """DDP + torch's clip on the whole batch is the reference. Under FusedDataParallel each rank holds only its shard
+    of the averaged gradient, so torch's per-rank norm must be refused at step (nothing stepped); the optimizer's
+    method and tfuse's clip (which hands sharded parameters to it) are right with or without the wrapper."""
+    for result in scenario(world2, "clip_idioms"):
+        for idiom in ("optimizer_method", "tfuse_on_parameters", "tfuse_on_optimizer", "uniform_edit"):
+            run = result[(idiom, wrapped)]
+            assert run["error"] is None and run["steps"] == 3, (idiom, run["error"])
+            if idiom != "uniform_edit":
+                assert run["reference_norm"] > CLIP  # the reference really clipped
+            for sharded, reference in zip(run["params"], run["reference"]):
+                torch.testing.assert_close(sharded, reference, **TIGHT)
+        torch_clip = result[("torch_on_parameters", wrapped)]
+        if wrapped:
+            assert torch_clip["steps"] == 0 and torch_clip["unchanged"]
+            assert "optimizer.clip_grad_norm_" in torch_clip["error"] and "different factor" in torch_clip["error"]
+        # (on a plain model torch's clip scales each rank's local gradients before the step averages them: a
+        # different algorithm, which no check can see; the ShardedOptimizer docstring says so)
+        assert "optimizer.clip_grad_norm_" in result["subset"] and "sharded" in result["subset"]
+
 @pytest.mark.parametrize("mode", ["reduce", "all_reduce"])
 def test_sharded_backward_with_gradient_merge_and_grad_scaler_skips_and_rescales_alike(world2, mode):
     results = [ranks[mode] for ranks in scenario(world2, "data_parallel_scaler")]
@@ -199,6 +221,13 @@ def test_a_sharded_state_dict_at_another_world_size_or_layout_fails_on_every_ran
             assert "consolidated" in result["error"]
     for result in scenario(world3, "reload"):
         assert result["layout_error"] is not None and "has another" in result["layout_error"]
+
+
+def test_another_optimizers_state_is_refused_at_load_on_every_rank(world3):
+    for result in scenario(world3, "reload"):
+        error = result["family_error"]
+        assert error is not None and error.startswith("ShardedOptimizer.load_state_dict") and "'momentum_buffer'" in error
+        assert result["family_unchanged"]
 
 
 # --------------------------------------------------------------------------- faults and bad input

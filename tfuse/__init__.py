@@ -7,6 +7,8 @@ Example:
     True
 """
 
+import os as _os
+
 from tfuse._source_tree import ensure_kernels_importable
 
 ensure_kernels_importable()
@@ -18,6 +20,18 @@ from tfuse.functional import add, add_act  # noqa: E402
 from tfuse.fusion import FusionReport, FusionStrategy, Setup, fuse_model, setup, tune_buckets  # noqa: E402
 
 __version__ = "0.1.0"
+
+# torch.library registration of tfuse's ops imports Inductor: done when torch._dynamo loads (torch.compile).
+from tfuse.ops._library import register_when_dynamo_loads  # noqa: E402
+
+register_when_dynamo_loads()
+
+# CPU kernels through Triton's interpreter: without its redundant re-patching. Triton reads TRITON_INTERPRET when
+# the kernels are decorated; without it, neither triton nor the kernels are imported here (import time).
+if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and interpreter_active():
+    from tfuse._interpreter import install as _install_interpreter_patch
+
+    _install_interpreter_patch()
 
 __all__ = [
     "BACKEND_ENV_VAR",

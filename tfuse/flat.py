@@ -128,6 +128,8 @@ from typing import Any
 
 import torch
 
+from tfuse._eager import eager_in_compiled_code
+
 logger = logging.getLogger(__name__)
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -367,6 +369,7 @@ class FlatParams:
         self._clean: dict[int, bool] = {}  # id(param) -> its gradient slot holds exact zeros
         self._homes: dict[int, tuple[torch.Tensor, _Slot]] = {}  # id(param) -> (gradient view, slot): the hot path
         self._receiver: Callable[[torch.nn.Parameter], None] | None = None
+        self._sharder: Callable[[], Any] | None = None  # weak reference to the ShardedOptimizer of these buffers
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._watched: list[torch.Tensor] = []
         self._ptrs: list[int] = []
@@ -498,7 +501,7 @@ class FlatParams:
     def _grad_ready_hook(self) -> Callable[[torch.Tensor], None]:
         flat = weakref.ref(self)  # the hook must not keep the FlatParams alive
 
-        @torch.compiler.disable  # bookkeeping on the host, never traced (backward called inside compiled code)
+        @eager_in_compiled_code  # bookkeeping on the host, never traced (backward called inside compiled code)
         def grad_ready(param: torch.Tensor) -> None:
             # Runs in backward once autograd has accumulated param.grad.
             owner = flat()
@@ -522,6 +525,18 @@ class FlatParams:
         One receiver at a time; None restores the default.
         """
         self._receiver = receiver
+
+    @property
+    def sharded_by(self) -> Any:
+        """The live ShardedOptimizer whose shards these buffers are (None: not sharded).
+
+        Gradient clipping reads it: a per-rank norm of sharded gradients would be wrong.
+        """
+        return None if self._sharder is None else self._sharder()
+
+    def set_sharded_by(self, optimizer: Any) -> None:
+        """Records (weakly) the ShardedOptimizer that owns shards of these buffers; None clears it."""
+        self._sharder = None if optimizer is None else weakref.ref(optimizer)
 
     @property
     def grad_receiver(self) -> Callable[[torch.nn.Parameter], None] | None:

@@ -101,6 +101,11 @@ class GradientReducer:
         return None if self._owners is None else self._owners.optimizer()
 
     @property
+    def owners(self) -> _Owners | None:
+        """Sharded mode's shard tables and end-of-pass records (None: buckets are all-reduced)."""
+        return self._owners
+
+    @property
     def calls_per_step(self) -> int:
         """Gradient collectives per synchronizing backward: all-reduces, or reduces to owners when sharded."""
         if self._owners is None or self._owners.all_reduce:
@@ -335,6 +340,11 @@ class _Owners:
         self._mine: list[torch.Tensor] = []  # this rank's shard of each gradient buffer
         self._others: list[torch.Tensor] = []  # the rest of each buffer's trainable (padded) range
         self._sentinels: list[torch.Tensor] = []  # one gradient element of a parameter per buffer (never padding)
+        # Recorded when a reduction settles, read at step to see whether the shards were rescaled since (see
+        # tfuse.distributed._sharded_clip): the buffers' version counters and the norm of this rank's shards.
+        self._versions: list[int] = []
+        self._norm: torch.Tensor | None = None
+        self.eps = 0.0  # the machine epsilon of the least precise gradient buffer
 
     def read_layout(self, flat: FlatParams, buckets: Sequence[Bucket], group: dist.ProcessGroup | None) -> None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -352,9 +362,11 @@ class _Owners:
                 ]
             )
         self._mine, self._others, self._sentinels = [], [], []
+        self._norm, self.eps = None, 0.0
         for buffer in with_grad:
             grad, mine = flat.groups[buffer].grad, shards[buffer][rank]
             self._mine.append(grad[mine.start : mine.end])
+            self.eps = max(self.eps, torch.finfo(grad.dtype).eps)
             self._others += [grad[: mine.start], grad[mine.end : shards[buffer][-1].end]]
             first = min(start for s in shards[buffer] for _, start, _ in s.ranges)
             self._sentinels.append(grad[first : first + 1])
@@ -373,6 +385,30 @@ class _Owners:
         poisoned = flag.bool()
         for sentinel in self._sentinels:
             sentinel.masked_fill_(poisoned, float("nan"))
+        self._norm = _total_norm(mine)  # (one norm launch per step, on the device: no host sync)
+        self._versions = [t._version for t in self._mine]
+
+    def edited(self) -> bool:
+        """Whether this rank's gradients were written in place since the last reduction settled."""
+        return self._norm is not None and any(t._version != v for t, v in zip(self._mine, self._versions))
+
+    def scale_since_settle(self) -> torch.Tensor | None:
+        """Norm of this rank's shards now over their norm when the reduction settled (None: no finite nonzero norm).
+
+        A float64 scalar on the device, or None (read on the host: only called once an edit was seen).
+        """
+        then = self._norm
+        if then is None or not bool(torch.isfinite(then) & (then > 0)):
+            return None
+        return (_total_norm([t for t in self._mine if t.numel()]) / then).double()
+
+
+def _total_norm(shards: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 2-norm of all ``shards`` together, in float32 (None: no shard)."""
+    if not shards:
+        return None
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in shards) else torch.float32
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(shards, 2, dtype=dtype)))
 
 
 class GradReceiver:

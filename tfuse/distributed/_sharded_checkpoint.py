@@ -256,10 +256,12 @@ def _load_consolidated(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Non
     # Check every tensor's shape before changing anything.
     params = {ids[id(p)]: p for p in itertools.chain.from_iterable(g["params"] for g in opt.param_groups)}
     names = {*opt.optim.state_names}
+    required = opt.optim._required_state(state_dict["param_groups"])
     for key, entry in saved_state.items():
         param = params.get(key)
         if param is None:
             continue
+        opt.optim._check_state_entry(key, entry, required.get(key, set()), owner="ShardedOptimizer")
         for name, value in entry.items():
             if name in names and isinstance(value, torch.Tensor) and value.shape != param.shape:
                 raise ValueError(

@@ -146,6 +146,7 @@ class FusedDataParallel(torch.nn.Module):
         self.gradient_merge_steps = gradient_merge_steps
         self.gradient_merge_avg = gradient_merge_avg
         self.find_unused_parameters = find_unused_parameters
+        self._sync_buffers_next = True  # whether the next training forward broadcasts buffers (see forward)
         self._build(synchronize=True)
 
     def _build(self, synchronize: bool) -> None:
@@ -275,10 +276,15 @@ class FusedDataParallel(torch.nn.Module):
             self._check_requires_grad()
             self._reducer.check_idle()
             self._reducer.prepare_for_backward()
-            if self.broadcast_buffers and not getattr(self, "_paused", False):
+            # DDP's rule: buffers are broadcast before a training forward that follows one whose backward
+            # all-reduced (not one run inside no_sync(): during gradient accumulation each rank keeps its own
+            # statistics until the synchronising step). Unlike DDP, a forward without gradients (evaluation)
+            # broadcasts nothing: evaluating on one rank only does not hang.
+            if self.broadcast_buffers and self._sync_buffers_next and not getattr(self, "_paused", False):
                 buffers = list(self.module.buffers())
                 if buffers:
                     broadcast_tensors(buffers, self.process_group)
+            self._sync_buffers_next = self._reducer.no_sync_depth == 0
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager

@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from tfuse._backend import select_backend
 from tfuse.distributed._checks import require_process_group
+from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_tensors
 from tfuse.distributed.data_parallel import FusedDataParallel
+from tfuse.distributed.local_sgd_options import AdaptiveInterval, OuterSGD
 from tfuse.distributed.sharded import ShardedOptimizer
 from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim._update import FlatBuffers, RunTable, SGDStep, sgd_update
@@ -35,79 +37,10 @@ from tfuse.optim._update import FlatBuffers, RunTable, SGDStep, sgd_update
 logger = logging.getLogger(__name__)
 
 FORMAT = "tfuse.local_sgd/1"
+_STATE_KEYS = ("iterations", "syncs", "next_sync", "sync_every", "adaptive", "warmup_steps", "outer_optimizer",
+               "outer_started", "snapshots", "momenta")  # fmt: skip
 _NORM_PIECE = 1 << 20  # elements per temporary when measuring the divergence of an outer step
 BUFFER_MODES = ("average", "broadcast", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class OuterSGD:
-    """The outer optimizer of DiLoCo-style training: SGD (with Nesterov momentum) on the pseudo-gradient.
-
-    At every sync the snapshot ``S`` takes ``S -= lr * (G + momentum * buf)``
-    (Nesterov) or ``S -= lr * buf`` (heavy ball), ``buf = momentum * buf + G``,
-    ``G = mean over ranks of (S - param)``: torch.optim.SGD's maths with
-    ``G`` as the gradient. ``OuterSGD(lr=1.0)`` is plain model averaging.
-
-    Example:
-        >>> from tfuse.distributed import OuterSGD
-        >>> OuterSGD(lr=0.7, momentum=0.9, nesterov=True)  # DiLoCo's choice
-        OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
-    """
-
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"OuterSGD: lr must be a positive finite number, got {self.lr!r}")
-        if not (isinstance(self.momentum, (int, float)) and 0.0 <= self.momentum < 1.0):
-            raise ValueError(f"OuterSGD: momentum must be in [0, 1), got {self.momentum!r}")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("OuterSGD: nesterov=True needs a momentum > 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveInterval:
-    """A rule that lengthens or shortens ``sync_every`` from the parameter divergence measured at each sync.
-
-    At a sync, before averaging, the ranks' spread is measured as the relative
-    divergence ``d = sqrt(mean_r |p_r - p_mean|^2) / |p_mean|`` over every
-    trainable element (one extra 2-element all-reduce, in float64, so every
-    rank computes the same ``d`` and takes the same decision). Then the
-    interval doubles when ``d < target / 2`` (replicas barely drifted: sync
-    less) and halves when ``d > 2 * target`` (they drift apart: sync more),
-    within ``[min_every, max_every]``. In the spirit of Paddle's adaptive
-    LocalSGD, which sets the interval from the training state; this rule
-    reads the quantity an average actually corrects.
-
-    Example:
-        >>> from tfuse.distributed import AdaptiveInterval
-        >>> AdaptiveInterval(target=1e-3, min_every=1, max_every=64).next_interval(8, 1e-4)
-        16
-    """
-
-    target: float = 1e-3
-    min_every: int = 1
-    max_every: int = 256
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.target, (int, float)) and math.isfinite(self.target) and self.target > 0):
-            raise ValueError(f"AdaptiveInterval: target must be a positive finite number, got {self.target!r}")
-        for name in ("min_every", "max_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AdaptiveInterval: {name} must be an int >= 1, got {value!r}")
-        if self.min_every > self.max_every:
-            raise ValueError(f"AdaptiveInterval: min_every {self.min_every} > max_every {self.max_every}")
-
-    def next_interval(self, current: int, divergence: float) -> int:
-        """The interval after a sync that measured ``divergence`` with ``current`` iterations between syncs."""
-        if divergence < self.target / 2:
-            current *= 2
-        elif divergence > 2 * self.target:
-            current //= 2
-        return max(self.min_every, min(self.max_every, current))
 
 
 class LocalSGD:
@@ -212,12 +145,21 @@ class LocalSGD:
         self.world_size = dist.get_world_size(process_group)
         self.flat = self._flat_params(model)
         self._check_optimizer()
+        if self.wrapper is None:  # (the wrapper checked its replicas already)
+            # Before the first collective: models of different shapes would hang or abort in the broadcast.
+            names = {p: n for n, p in self.module.named_parameters()}
+            options: dict[str, object] = {"sync_every": sync_every, "buffers": buffers}
+            entries = describe_replica(self.module, self.flat, names, options)
+            check_replicas_match(entries, process_group, self.flat.groups[0].device, owner="LocalSGD")
         self.iterations = 0
         self.syncs = 0
         self._next_sync = warmup_steps + sync_every  # the iteration of the next sync
         self._paused = False
-        # Per flat buffer with trainable parameters: its trainable range (what a sync moves).
-        self._ranges = [g.data[: g.trainable_numel] for g in self.flat.groups if g.trainable_numel]
+        # Per flat buffer with trainable parameters: its trainable range (what a sync moves), and where each
+        # trainable parameter sits in them; followed when the buffers are laid out again (see _follow_layout).
+        self._ranges, self._places = self._trainable_ranges()
+        self._layout_version = self.flat.layout_version
+        self._params = [id(p) for p in self.flat.params]
         self._snapshots: list[torch.Tensor] = []
         self._momenta: list[torch.Tensor] = []
         self._outer_started = False
@@ -264,6 +206,65 @@ class LocalSGD:
                 "model.parameters()"
             )
         return FlatParams(model.named_parameters(), bucket_mb=None)
+
+    def _trainable_ranges(self) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, int]]]:
+        """The trainable range of each flat buffer that has one, and id(parameter) -> (range, start, end)."""
+        ranges, places = [], {}
+        for group in self.flat.groups:
+            if not group.trainable_numel:
+                continue
+            for param, offset in zip(group.params[: group.n_trainable], group.offsets):
+                places[id(param)] = (len(ranges), offset, offset + param.numel())
+            ranges.append(group.data[: group.trainable_numel])
+        return ranges, places
+
+    def _follow_layout(self) -> list[torch.Tensor]:
+        """Before a sync: the flat buffers as the model holds its parameters now; returns the parameters that
+        left the trainable ranges since the last sync (frozen since: trained locally, so they differ).
+
+        A storage replaced behind the buffers' back (``param.data = t``) is taken back into its slot; a change
+        of the trainable set lays the buffers out again (as a fused optimizer's step does; with a torch.optim
+        inner optimizer nothing else would), and the ranges, snapshots and momenta follow each parameter.
+        """
+        current = [id(p) for p in self.module.parameters()]
+        if sorted(current) != sorted(self._params):
+            raise RuntimeError(
+                "LocalSGD: the model's parameters are not the ones LocalSGD was created with (a parameter replaced "
+                "by a new nn.Parameter, added or removed): the flat buffers and the optimizer hold the old ones; "
+                "create the optimizer and LocalSGD again"
+            )
+        self.flat.sync_grads()  # takes replaced storage back; lays out again if the trainable set changed
+        if self.flat.layout_version == self._layout_version:
+            return []
+        old_places, old_snapshots, old_momenta = self._places, self._snapshots, self._momenta
+        self._ranges, self._places = self._trainable_ranges()
+        self._layout_version = self.flat.layout_version
+        if self.outer_optimizer is not None:
+            self._snapshots = [self._carried(r, old_places, old_snapshots, fresh=r) for r in self._ranges]
+            if self.outer_optimizer.momentum:
+                self._momenta = [self._carried(r, old_places, old_momenta, fresh=None) for r in self._ranges]
+        self.collectives_per_sync, self.bytes_per_sync = self._traffic()
+        logger.info("LocalSGD: the flat buffers were laid out again; the sync follows them")
+        return [p for p in self.flat.params if id(p) in old_places and id(p) not in self._places]
+
+    def _carried(self, new_range: torch.Tensor, old_places: dict, old: list[torch.Tensor], fresh) -> torch.Tensor:
+        """A snapshot (or momentum) for ``new_range``: each parameter's old values where it had them, else the
+        parameter's current values (``fresh``, a snapshot) or zeros (a momentum)."""
+        index = next(i for i, r in enumerate(self._ranges) if r is new_range)
+        carried = new_range.detach().clone() if fresh is not None else torch.zeros_like(new_range)
+        for param_id, (at, start, end) in self._places.items():
+            if at == index and param_id in old_places:
+                was, old_start, old_end = old_places[param_id]
+                carried[start:end] = old[was][old_start:old_end]
+        return carried
+
+    def _average_left(self, params: list[torch.Tensor]) -> None:
+        """Parameters frozen since the last sync, averaged once more (they were trained locally until then)."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for param in params:
+            by_kind.setdefault((param.device, param.dtype), []).append(param.detach())
+        for tensors in by_kind.values():
+            self._average_in_place(tensors)
 
     def _check_optimizer(self) -> None:
         mine = {id(p) for p in self.flat.params}
@@ -332,6 +333,13 @@ class LocalSGD:
 
         With ``adaptive``, also measures the divergence and sets ``sync_every`` for the next interval.
         """
+        left = self._follow_layout()
+        if left:
+            self._average_left(left)
+        if not self._ranges:  # everything frozen: nothing is trained, nothing differs
+            self._sync_buffers()
+            self.syncs += 1
+            return
         before = self._squared_norm() if self.adaptive is not None else None
         self._mean_squared = torch.zeros((), dtype=torch.float64, device=self._ranges[0].device)
         for index, flat_range in enumerate(self._ranges):
@@ -401,12 +409,16 @@ class LocalSGD:
             if how == "broadcast":
                 broadcast_tensors(tensors, self.process_group)
                 continue
-            staging = torch.cat([t.reshape(-1) for t in tensors]).div_(self.world_size)
-            dist.all_reduce(staging, group=self.process_group)
-            offset = 0
-            for tensor in tensors:
-                tensor.copy_(staging[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+            self._average_in_place(tensors)
+
+    def _average_in_place(self, tensors: list[torch.Tensor]) -> None:
+        """The ranks' average of ``tensors`` (one device and dtype), written into them: one all-reduce."""
+        staging = torch.cat([t.reshape(-1) for t in tensors]).div_(self.world_size)
+        dist.all_reduce(staging, group=self.process_group)
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(staging[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -429,11 +441,19 @@ class LocalSGD:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes where :meth:`state_dict` left off (mid-interval too): load the model and optimizer as well.
 
-        Raises ValueError, changing nothing, when the checkpoint's schedule or
-        buffer sizes differ from this LocalSGD's.
+        Raises ValueError, changing nothing, when the state dict is not a whole
+        LocalSGD state dict, or when the checkpoint's schedule or buffer sizes
+        differ from this LocalSGD's.
         """
         if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
             raise ValueError("LocalSGD: not a state dict of LocalSGD.state_dict()")
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"LocalSGD: the state dict lacks {', '.join(missing)} (not from LocalSGD.state_dict()?)")
+        for key in ("iterations", "syncs", "next_sync", "sync_every", "warmup_steps"):
+            value = state_dict[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LocalSGD: the state dict's {key} must be an int >= 0, got {value!r}")
         checked = ("warmup_steps",) if self.adaptive is not None else ("sync_every", "warmup_steps")
         for key in checked:  # (an adaptive interval resumes at the checkpoint's current interval)
             if state_dict[key] != getattr(self, key):
@@ -454,8 +474,11 @@ class LocalSGD:
             ("snapshots", state_dict["snapshots"], self._snapshots),
             ("momenta", state_dict["momenta"], self._momenta),
         ):
+            if not isinstance(saved, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in saved):
+                raise ValueError(f"LocalSGD: the checkpoint's {name} must be a list of tensors")
             if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in ours]:
                 raise ValueError(f"LocalSGD: the checkpoint's {name} do not match this model's flat buffers")
+        # Everything checked: from here on nothing raises.
         for saved, ours in zip(state_dict["snapshots"], self._snapshots):
             ours.copy_(saved)
         for saved, ours in zip(state_dict["momenta"], self._momenta):

@@ -31,7 +31,9 @@ from tfuse._backend import select_backend
 from tfuse.distributed import _sharded_checkpoint as checkpoint
 from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._reducer import GradientReducer, GradReceiver
+from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
+from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
 from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
 from tfuse.flat import FlatParams, Shard
 from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member, closure_and_amp
@@ -105,10 +107,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the optimizer puts the wrapper back to all-reduce.
 
     Clipping: :meth:`clip_grad_norm_` (the norm of the sharded gradients,
-    one scalar all-reduce). ``torch.amp.GradScaler`` works as with the fused
-    optimizers: its ``found_inf`` is agreed across ranks (carried by the
-    step's flag all-reduce), so a step with inf/NaN on any rank is skipped on
-    every rank; each rank divides its own scale out before the reduction.
+    one scalar all-reduce); ``tfuse.optim.clip_grad_norm_`` given these
+    parameters calls it. ``torch.nn.utils.clip_grad_norm_`` would see one
+    rank's shard only: after a sharded backward, :meth:`step` raises
+    RuntimeError when the shards were rescaled by factors that differ
+    between ranks (and nothing is stepped); on a plain model it would clip
+    each rank's local gradients before the average, which nothing can see.
+
+    ``torch.amp.GradScaler`` works as with the fused optimizers: its
+    ``found_inf`` is agreed across ranks (carried by the step's flag
+    all-reduce), so a step with inf/NaN on any rank is skipped on every
+    rank; each rank divides its own scale out before the reduction.
 
     ``master_weights=True`` (float16/bfloat16 parameters): each rank keeps
     float32 masters for its shard only, next to its shard of the float32
@@ -166,7 +175,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(self.optim.param_groups, self.optim.defaults)
         self._constructing = False
         self.param_groups = self.optim.param_groups  # one set of groups: LR schedulers change the inner one
+        self._check_replicas(optimizer_class)
         self._buffers = self._shard_buffers()
+        for flat in self.optim.flat_params:
+            flat.set_sharded_by(self)  # tfuse.optim.clip_grad_norm_ on these parameters comes here
         self._layouts = [b.flat.layout_version for b in self._buffers]
         self._reducers = self._take_over_reducers()
         self._pending: list[tuple[bool, ...]] | None = None  # gradients already reduced (by clip_grad_norm_)
@@ -178,6 +190,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.reduce_mode,
             self.gather_mode,
         )
+
+    def _check_replicas(self, optimizer_class: type) -> None:
+        """Every rank holds the same parameters in the same flat layout (before any collective: else a hang)."""
+        options: dict[str, object] = {"optimizer": optimizer_class.__name__}
+        for index, flat in enumerate(self.optim.flat_params):
+            names = {p: flat.name_of(p) or f"#{i} of flat params {index}" for i, p in enumerate(flat.params)}
+            device = flat.groups[0].device if flat.groups else torch.device("cpu")
+            entries = describe_replica(None, flat, names, options)
+            check_replicas_match(entries, self.process_group, device, owner="ShardedOptimizer")
 
     def _shard_buffers(self) -> list[_ShardedBuffer]:
         for flat in self.optim.flat_params:
@@ -293,6 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._pending is None and self._sharded_backward():
             # Reduced during backward, still scaled (every rank's GradScaler has the same scale): the update unscales.
             active, skip = self._reduced_by_backward(found_inf)
+            check_grad_edits(self)  # a per-rank clip of the shards (torch's clip_grad_norm_) raises here
         elif self._pending is None:
             active, skip = self._reduce_grads(grad_scale, found_inf)
             grad_scale = None  # unscaled before the reduction
@@ -370,38 +392,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._pending, _ = self._reduced_by_backward(None)
         elif self._pending is None:
             self._pending, _ = self._reduce_grads()  # (no GradScaler flag here: step agrees on it)
-        pieces = []
-        for sharded, on in zip(self._buffers, self._pending):
-            grad = sharded.group.grad[sharded.shard.start : sharded.shard.end]
-            # Only the members with a gradient: slots of the others may hold stale values (they are not stepped).
-            pieces += [
-                grad[m.start : m.end] for m, active in zip(sharded.buffer.members, on) if active and m.end > m.start
-            ]
-        dtype = self._buffers[0].group.dtype if self._buffers else torch.float32
-        if norm_type == 2.0:
-            local = sum(
-                (torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 for p in pieces),
-                torch.zeros((), dtype=torch.float64),
-            )
-            dist.all_reduce(local, group=self.process_group)
-            total = local.sqrt()
-        else:
-            local = max(
-                (p.abs().max().double() for p in pieces if p.numel()), default=torch.zeros((), dtype=torch.float64)
-            )
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local
-        total = total.to(dtype)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
-                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, in the gradients' dtype
-        if pieces:
-            torch._foreach_mul_(pieces, coefficient)
-        return total
+        return clip_sharded(self, self._pending, max_norm, norm_type, error_if_nonfinite)
 
     def _check_layout(self) -> None:
         for sharded, version in zip(self._buffers, self._layouts):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import statistics
@@ -291,8 +292,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="small data, 1 epoch of 8 steps: a smoke run")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (gloo) even where GPUs are present")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the plot and the JSON results")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for the plot and the JSON results (default: a new temp folder)"
+    )
     args = parser.parse_args(argv)
+    if args.data == "digits" and importlib.util.find_spec("sklearn") is None:
+        parser.error("--data digits needs scikit-learn (pip install scikit-learn), or use --data glyphs (no download)")
     if args.quick:
         args.epochs, args.steps = 1, 8 if args.steps is None else args.steps
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
@@ -307,7 +312,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    out = args.out or Path(tempfile.gettempdir()) / "tfuse-train"
+    # A fresh folder per run by default: two runs (or two users) never overwrite each other's results.
+    out = args.out or Path(tempfile.mkdtemp(prefix="tfuse-train-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

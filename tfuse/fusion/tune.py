@@ -31,6 +31,8 @@ class BucketTiming:
     median_ms: float
     q1_ms: float
     q3_ms: float
+    #: Other candidates that made exactly these buckets (timed once, under this row).
+    same_buckets: tuple[tuple[float | None, int | None], ...] = ()
 
 
 @dataclasses.dataclass
@@ -45,6 +47,27 @@ class BucketTuning:
     world_size: int
     steps: int
 
+    @property
+    def measurable(self) -> bool:
+        """Whether the fastest row's quartile range is clear of every other row's (else: no measurable difference)."""
+        return all(row is self.best or row.q1_ms > self.best.q3_ms for row in self.rows)
+
+    def verdict(self) -> str:
+        """One sentence: the recommendation, or why there is none to make."""
+        setting = (
+            f"FusionStrategy(fuse_grad_size_in_mb={self.best.bucket_mb}, "
+            f"max_params_per_bucket={self.best.max_params_per_bucket}) (or FusedDataParallel(bucket_mb=..., "
+            "max_params_per_bucket=...))"
+        )
+        if len(self.rows) == 1:
+            return f"Recommended: {setting}; every candidate made the same buckets: the setting does not matter here."
+        if not self.measurable:
+            return (
+                f"Recommended: {setting}, the fastest median, but with no measurable difference: its quartile range "
+                "overlaps another candidate's (measure with more steps or rounds, or keep the default)."
+            )
+        return f"Recommended: {setting}."
+
     def __str__(self) -> str:
         lines = [
             f"Step time (forward + backward + gradient all-reduce) of this model over {self.world_size} ranks, "
@@ -55,16 +78,12 @@ class BucketTuning:
         ]
         for row in self.rows:
             mark = " (best)" if row is self.best else ""
+            same = "".join(f"; same buckets: {mb}, {cap}" for mb, cap in row.same_buckets)
             lines.append(
-                f"| {row.bucket_mb} | {row.max_params_per_bucket} | {row.buckets} | {row.median_ms:.2f} "
+                f"| {row.bucket_mb} | {row.max_params_per_bucket}{same} | {row.buckets} | {row.median_ms:.2f} "
                 f"({row.q1_ms:.2f}-{row.q3_ms:.2f}) | {row.median_ms / self.best.median_ms:.2f}x{mark} |"
             )
-        lines += [
-            "",
-            f"Recommended: FusionStrategy(fuse_grad_size_in_mb={self.best.bucket_mb}, "
-            f"max_params_per_bucket={self.best.max_params_per_bucket}) (or FusedDataParallel(bucket_mb=..., "
-            "max_params_per_bucket=...)).",
-        ]
+        lines += ["", self.verdict()]
         return "\n".join(lines)
 
 
@@ -89,6 +108,11 @@ def tune_buckets(
     them. The model is copied (the original is not changed, trained or
     wrapped), and every rank gets the same recommendation.
 
+    Candidates that make exactly the same buckets (a small model fits in
+    one bucket under every size cap) are timed once, as one row. When the
+    fastest row's quartile range overlaps another's, the table says that
+    there is no measurable difference. The table is logged once (rank 0).
+
     Args:
         model: the model (on this rank's device).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``.
@@ -100,11 +124,13 @@ def tune_buckets(
     Example (every rank, after ``dist.init_process_group``)::
 
         tuning = tfuse.tune_buckets(model, F.cross_entropy, (images, labels))
-        print(tuning)  # a table, and the recommended FusionStrategy(fuse_grad_size_in_mb=..., ...)
+        if dist.get_rank() == 0:
+            print(tuning)  # a table, and the recommended FusionStrategy(fuse_grad_size_in_mb=..., ...)
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: no candidates, a malformed candidate, or steps/rounds below 1.
+        ValueError: no candidates, a malformed candidate, steps/rounds below 1,
+            a model without parameters, or ``example_batch`` not an ``(inputs, target)`` pair.
     """
     from tfuse.distributed import FusedDataParallel
 
@@ -118,15 +144,26 @@ def tune_buckets(
     for name, value in (("steps", steps), ("rounds", rounds), ("warmup + 1", warmup + 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"tfuse.tune_buckets: {name} must be an int >= 1, got {value!r}")
+    if not isinstance(example_batch, (tuple, list)) or len(example_batch) != 2:
+        raise ValueError(
+            "tfuse.tune_buckets: example_batch must be an (inputs, target) pair, as loss_fn(model(*inputs), target) "
+            f"takes them; got {type(example_batch).__name__}"
+            + (f" of length {len(example_batch)}" if isinstance(example_batch, (tuple, list)) else "")
+        )
     inputs, target = example_batch
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    device = next(model.parameters()).device
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        raise ValueError("tfuse.tune_buckets: the model has no parameters: there are no gradients to all-reduce")
+    device = first.device
     world = dist.get_world_size(process_group)
     work = copy.deepcopy(model)
-    samples: dict[int, list[float]] = {index: [] for index in range(len(candidates))}
+    distinct, same = _distinct_layouts(work, candidates)
+    samples: dict[int, list[float]] = {index: [] for index in distinct}
     buckets: dict[int, int] = {}
     for _ in range(rounds):
-        for index, (bucket_mb, max_params) in enumerate(candidates):
+        for index in distinct:
+            bucket_mb, max_params = candidates[index]
             wrapped = FusedDataParallel(
                 work, bucket_mb=bucket_mb, max_params_per_bucket=max_params, process_group=process_group
             )
@@ -143,11 +180,38 @@ def tune_buckets(
                     samples[index].append(float(elapsed) * 1e3)
             del wrapped
     rows = []
-    for index, (bucket_mb, max_params) in enumerate(candidates):
+    for index in distinct:
+        bucket_mb, max_params = candidates[index]
         values = samples[index]
         q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-        rows.append(BucketTiming(bucket_mb, max_params, buckets[index], median, q1, q3))
+        rows.append(BucketTiming(bucket_mb, max_params, buckets[index], median, q1, q3, tuple(same[index])))
     best = min(rows, key=lambda row: row.median_ms)
     tuning = BucketTuning(rows, best, world, steps * rounds)
-    logger.info("tfuse.tune_buckets:\n%s", tuning)
+    level = logging.INFO if dist.get_rank(process_group) == 0 else logging.DEBUG  # one table, not one per rank
+    logger.log(level, "tfuse.tune_buckets:\n%s", tuning)
     return tuning
+
+
+def _distinct_layouts(model: nn.Module, candidates: list) -> tuple[list[int], dict[int, list]]:
+    """The candidates that make different buckets (first of each), and per kept one the others that match it.
+
+    Lays the (copied) model's parameters out in one FlatParams, as FusedDataParallel would, and re-buckets it
+    per candidate: no collective, no copy; the wrappers then reuse it.
+    """
+    from tfuse.distributed.data_parallel import _parameter_names
+    from tfuse.flat import FlatParams, flat_params_of
+
+    names = _parameter_names(model)
+    params = list(names)
+    flat = flat_params_of(params[0]) or FlatParams([(names[p], p) for p in params])
+    kept: dict[tuple, int] = {}
+    same: dict[int, list] = {}
+    for index, (bucket_mb, max_params) in enumerate(candidates):
+        flat.set_buckets(bucket_mb, max_params)
+        key = tuple((b.buffer_index, b.start, b.end) for b in flat.buckets)
+        if key in kept:
+            same[kept[key]].append(candidates[index])
+        else:
+            kept[key] = index
+            same[index] = []
+    return list(kept.values()), same

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tfuse._backend import Backend, requested_backend, select_backend, triton_available
+from tfuse._eager import eager_in_compiled_code
 from tfuse.flat import FlatGroup, FlatParams, flat_params_of
 from tfuse.optim._checks import IMPLEMENTATION_FLAGS, check_implementation_flags, check_params
 from tfuse.optim._state import FlatState
@@ -454,7 +455,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.compiler.disable  # runs eagerly inside compiled code: one launch per buffer, nothing to trace
+    @eager_in_compiled_code  # runs eagerly inside compiled code: one launch per buffer, nothing to trace
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Performs one optimization step: one update launch per flat buffer.
@@ -636,7 +637,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ zero_grad / state_dict
 
-    @torch.compiler.disable  # a flat buffer's zeroing, run eagerly inside compiled code
+    @eager_in_compiled_code  # a flat buffer's zeroing, run eagerly inside compiled code
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Like torch's, but a flat buffer whose parameters are all ours is zeroed in one op."""
         ours = {id(p) for group in self.param_groups for p in group["params"]}
@@ -694,10 +695,12 @@ class FlatOptimizer(torch.optim.Optimizer):
             )
         )
         flat_names = {*self.state_names, MASTER_KEY}
+        required = self._required_state(saved_groups)
         for saved_id, entry in state_dict["state"].items():
             param = id_map.get(saved_id)
             if param is None:
                 continue
+            self._check_state_entry(saved_id, entry, required[saved_id])
             for name, value in entry.items():
                 if name in flat_names and isinstance(value, torch.Tensor) and value.shape != param.shape:
                     raise ValueError(
@@ -733,6 +736,30 @@ class FlatOptimizer(torch.optim.Optimizer):
                 self.state[param] = self._adopt(*place[id(param)], entry)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_state_entry(self, saved_id: Any, entry: dict[str, Any], required: set[str], owner: str = "") -> None:
+        """Raises ValueError when a saved parameter's state is another family's (a tensor this optimizer does not
+        keep, or one it needs missing): torch.optim fails at load too, not at the next step."""
+        known = {*self.state_names, MASTER_KEY, "step"}
+        foreign = sorted(k for k, v in entry.items() if isinstance(v, torch.Tensor) and k not in known)
+        missing = sorted(required - set(entry)) if entry else []
+        if foreign or missing:
+            what = f"has {', '.join(map(repr, foreign))}" if foreign else f"lacks {', '.join(map(repr, missing))}"
+            name = owner or type(self).__name__
+            raise ValueError(
+                f"{name}.load_state_dict: the state of parameter {saved_id} {what}: a state dict of another "
+                f"optimizer? {type(self).__name__} keeps {', '.join(map(repr, self.state_names))} per parameter"
+            )
+
+    def _required_state(self, saved_groups: list[dict[str, Any]]) -> dict[Any, set[str]]:
+        """Per saved parameter id, the state tensors a non-empty entry of it must hold (its family's, by its
+        group's options as saved)."""
+        required: dict[Any, set[str]] = {}
+        for saved in saved_groups:
+            names = self.family.required_state(saved)
+            for saved_id in saved["params"]:
+                required[saved_id] = names
+        return required
 
     def _adopt(self, buffer: _Buffer, member: _Member, saved: dict[str, Any]) -> dict[str, Any]:
         """Copies one parameter's saved state into the flat buffers; returns its state entry."""

@@ -301,6 +301,10 @@ class UpdateFamily:
         """Step sequences :func:`native_low_precision_ok` runs to check torch's ``kernel``."""
         raise NotImplementedError
 
+    def required_state(self, group: dict[str, Any]) -> set[str]:
+        """The state a parameter of ``group`` (its options as a state dict has them) holds once stepped."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<tfuse update family {self.name}>"
 
@@ -309,6 +313,9 @@ class _AdamFamily(UpdateFamily):
     name = "adam"
     kernel_name = "_adam_kernel"
     uses_step = True
+
+    def required_state(self, group):
+        return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
 
     def launch(self, buffers, table, rows, grad_scale, found_inf, meta):
         state = buffers.state
@@ -382,6 +389,9 @@ class _SGDFamily(UpdateFamily):
     name = "sgd"
     kernel_name = "_sgd_kernel"
     uses_step = False
+
+    def required_state(self, group):
+        return {"momentum_buffer"} if group.get("momentum") else set()
 
     def launch(self, buffers, table, rows, grad_scale, found_inf, meta):
         momentum_buffer = buffers.state.get("momentum_buffer")

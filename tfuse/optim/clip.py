@@ -35,6 +35,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,6 +93,12 @@ def clip_grad_norm_(
     (which parameters live where, the kernels' block tables) is cached, see
     the module docstring.
 
+    Gradients sharded by a :class:`~tfuse.distributed.ShardedOptimizer`
+    (each rank holds its shard of the average) are clipped by that
+    optimizer's :meth:`~tfuse.distributed.ShardedOptimizer.clip_grad_norm_`
+    (the norm of all shards); ``parameters`` must then be exactly its
+    parameters (ValueError otherwise).
+
     Args:
         parameters: an optimizer (its parameters), a FlatParams, a tensor,
             or an iterable of tensors.
@@ -137,6 +144,9 @@ def clip_grad_norm_(
 
     grads = list(map(_GRAD, params))
     plan = _plan_for(params, grads, homes)
+    sharder = _sharder_of(plan)
+    if sharder is not None:
+        return _clip_sharded(sharder, params, max_norm, p, error_if_nonfinite)
     loose: list[torch.Tensor] = [grads[i] for i in plan.other_index if grads[i] is not None]
     flags = plan.slot_flags(grads, loose)
     first = next((g for g in grads if g is not None), None)
@@ -203,6 +213,29 @@ def clip_grad_norm_(
     if loose:
         _foreach_scale(loose, max_norm, total, foreach)
     return total
+
+
+def _sharder_of(plan: _Plan) -> Any:
+    """The live ShardedOptimizer that shards the FlatParams of any of the plan's gradients, if any."""
+    for segment in plan.segments:
+        owner = segment.owner()
+        sharder = owner.sharded_by if owner is not None else None
+        if sharder is not None:
+            return sharder
+    return None
+
+
+def _clip_sharded(sharder: Any, params: list[torch.Tensor], max_norm: float, p: float, error_if_nonfinite: bool):
+    """Sharded gradients: a per-rank norm would be one shard's; the ShardedOptimizer takes the norm of all shards."""
+    mine = [param for group in sharder.param_groups for param in group["params"]]
+    if len(params) != len(mine) or {id(q) for q in params} != {id(q) for q in mine}:
+        raise ValueError(
+            "clip_grad_norm_: some of these parameters' gradients are sharded by a ShardedOptimizer (each rank "
+            "holds its own shard), so a norm of a subset, or of parameters it does not hold, cannot be taken "
+            "here; clip all of its parameters together with optimizer.clip_grad_norm_(max_norm) (or pass the "
+            "ShardedOptimizer or model.parameters() of the wrapped model)"
+        )
+    return sharder.clip_grad_norm_(max_norm, p, error_if_nonfinite)
 
 
 def _check_norm_type(norm_type: float | str) -> float:

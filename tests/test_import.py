@@ -1,0 +1,40 @@
+"""``import tfuse`` costs about what ``import torch`` does: it pulls in neither torch._dynamo nor Inductor (torch
+imports those lazily, and registering tfuse's torch.library ops waits for dynamo) nor Triton (the kernels are
+imported when first launched), and the ops are there once dynamo loads."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from helpers import run_command
+
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "triton")  # triton: imported by the first kernel launch
+
+
+def _python(code: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TFUSE_BACKEND")}
+    result = run_command([sys.executable, "-c", code], env=env, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()
+
+
+def test_import_tfuse_loads_neither_dynamo_nor_inductor():
+    loaded = _python(f"import sys, tfuse; print(*[m for m in {HEAVY!r} if m in sys.modules] or ['none'])")
+    assert loaded == ["none"]
+
+
+def test_the_ops_are_registered_when_dynamo_loads_before_or_after_tfuse():
+    after = _python("import torch, tfuse; import torch._dynamo; print(hasattr(torch.ops.tfuse, 'add_act'))")
+    before = _python("import torch, torch._dynamo; import tfuse; print(hasattr(torch.ops.tfuse, 'batch_norm_act'))")
+    assert after == before == ["True"]
+
+
+def test_the_ops_can_be_registered_by_hand():
+    out = _python("import torch, tfuse; tfuse.ops.register_library(); print(torch.ops.tfuse.add([torch.ones(2)] * 3))")
+    assert out == ["tensor([3.,", "3.])"]
+
+
+def test_the_first_op_still_runs_and_imports_triton_then():
+    out = _python("import sys, torch, tfuse; print(tfuse.add(torch.ones(3), torch.ones(3)).tolist(), 'triton' in sys.modules)")
+    assert out == ["[2.0,", "2.0,", "2.0]", "True"]
