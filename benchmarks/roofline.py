@@ -187,7 +187,7 @@ class Capture:
             self.current = previous
 
 
-_LAUNCHING_MODULES = (
+LAUNCHING_MODULES = (  # the modules that launch kernels (captures patch their names)
     add_op, add_act_op, batch_norm_op, depthwise_op, clip_op, adam_op, sgd_op, flat_optimizer, optim_update,
 )
 
@@ -226,16 +226,23 @@ def captured_launches(gpu: Gpu = H100, compiler: Compiler | None = None) -> Iter
         # batch_norm's wrapper asks resident_programs only for CUDA tensors; answer it as the GPU would.
         "_resident": resident_programs,
     }
+    replacements["_multiprocessor_count"] = lambda device_index: gpu.sms
+    with patched_launchers(replacements):
+        yield capture
+
+
+@contextlib.contextmanager
+def patched_launchers(replacements: dict[str, Any]) -> Iterator[None]:
+    """Within the block, each name in ``replacements`` is replaced in every module that launches kernels and in
+    tfuse._launch (whose own ``launch`` and ``launch_cached`` stay: the modules' references are what is replaced)."""
     saved: list[tuple[Any, str, Any]] = []
-    for module in (*_LAUNCHING_MODULES, launch_mod):
+    for module in (*LAUNCHING_MODULES, launch_mod):
         for name, value in replacements.items():
             if hasattr(module, name) and not (module is launch_mod and name in ("launch", "launch_cached")):
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, value)
-    saved.append((launch_mod, "_multiprocessor_count", launch_mod._multiprocessor_count))
-    launch_mod._multiprocessor_count = lambda device_index: gpu.sms
     try:
-        yield capture
+        yield
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
@@ -1086,7 +1093,7 @@ def validate_on_cuda(selected: Sequence[Case], compiler: Compiler) -> list[dict]
                     seen.append(Launch(kernel, tuple(grid), tuple(args), dict(meta), "gpu"))
                 return recording
 
-            patched = [(m, name, getattr(m, name)) for m in _LAUNCHING_MODULES for name in ("launch", "launch_cached")
+            patched = [(m, name, getattr(m, name)) for m in LAUNCHING_MODULES for name in ("launch", "launch_cached")
                        if hasattr(m, name)]
             for module, name, real in patched:
                 setattr(module, name, recorder(real))

@@ -8,6 +8,7 @@ numbers are tested on injected numbers.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -506,3 +507,46 @@ def test_e2e_benchmark(quick_run):
         assert float(row["wall ms/step"].split()[0]) > 0 and float(row["host ms/step"].split()[0]) > 0
 
 
+
+# --- the host census ----------------------------------------------------------------
+
+# Per model: Triton launches of one tfuse training step by kernel, and the aten copy_ ops (gradients copied
+# into the flat buffers). A change that adds a launch or a copy per step fails here.
+BN_KERNELS = ("_bn_stats_partial_kernel", "_bn_stats_final_kernel", "_bn_act_fwd_kernel", "_bn_act_bwd_reduce_kernel",
+              "_bn_bwd_final_kernel", "_bn_act_bwd_dx_kernel")
+CLIP_KERNELS = {"_norm_partial_kernel": 1, "_norm_final_kernel": 1, "_clip_segments_kernel": 1}
+CENSUS = {
+    # 49 BatchNorm2d+ReLU(+residual) layers x 6 kernels; clip 3; one SGD launch over the flat buffer.
+    "resnet50": ({**{k: 49 for k in BN_KERNELS}, **CLIP_KERNELS, "_sgd_kernel": 1}, 162),
+    # 35 BatchNorm2d+ReLU6 layers (the 17 without an activation stay torch's); clip 3; SGD 1.
+    "mobilenet_v2": ({**{k: 35 for k in BN_KERNELS}, **CLIP_KERNELS, "_sgd_kernel": 1}, 159),
+    # Nothing of the GPT-2 stack is fused by fuse_model (LayerNorm, attention, tanh-GELU MLP): clip 3, AdamW 1.
+    "gpt2": ({**CLIP_KERNELS, "_adam_kernel": 1}, 28),
+}
+
+
+def test_host_census_counts_every_launch_and_copy_of_a_step(tmp_path):
+    """``python -m benchmarks --only host --quick``: the table, and exact launch and copy counts per step."""
+    env = {k: v for k, v in os.environ.items() if k != "TFUSE_BACKEND"}
+    result = run_command([sys.executable, "-m", "benchmarks", "--quick", "--only", "host", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = next(tmp_path.glob("host-*.md")).read_text()
+    assert "stubbed driver" in table and "- Timing:" in table
+    rows = {(row["model"], row["mode"]): row for row in _table_rows(table)}
+    assert len(rows) == 9
+    for model, (kernels, copies) in CENSUS.items():
+        eager = rows[(model, "eager")]
+        assert (eager["Triton launches"], eager["of them copy_"]) == ("0", "0")
+        for mode in ("tfuse (Triton launch path)", "tfuse (launches as no-ops)"):
+            row = rows[(model, mode)]
+            assert int(row["Triton launches"]) == sum(kernels.values()), (model, mode)
+            assert int(row["of them copy_"]) == copies, (model, mode)
+            assert float(row["host ms/step, median (q1-q3)"].split()[0]) > 0
+    # The census's own JSON lines carry the launches by kernel.
+    lines = run_command([sys.executable, "-m", "benchmarks.host", "--counts-only", "--json"], cwd=ROOT,
+                        env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"}, timeout=600)
+    assert lines.returncode == 0, lines.stderr[-4000:]
+    for row in map(json.loads, filter(None, lines.stdout.splitlines())):
+        expected = CENSUS[row["model"]][0] if row["mode"] != "eager" else {}
+        assert row["launches_by_kernel"] == expected, (row["model"], row["mode"])
