@@ -238,7 +238,9 @@ def run(ctx: Any) -> Any:
     if done.returncode != 0:
         raise RuntimeError(f"benchmarks.host failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    for row in rows:
+    for row in rows:  # (the launches by kernel are not in the table: one line each on stderr)
+        print(f"[host] {row['model']}, {row['mode']}: launches by kernel {json.dumps(row['launches_by_kernel'])}",
+              file=sys.stderr, flush=True)
         row["host"] = f"{row['host_ms']:.2f} ({row['host_q1']:.2f}-{row['host_q3']:.2f})"
         row["plot"] = False
     return Report(

@@ -55,14 +55,24 @@ def rank_group(rank: int, world: int, backend: str, init_file: str) -> Iterator[
         dist.destroy_process_group()
 
 
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """Ranks fork from a server that imported torch and tfuse once (a fresh process that initialised no CUDA,
+    so safe to fork) instead of each importing them again; spawn where there is no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "tfuse"])
+    return context
+
+
 def launch(name: str, target: Callable[..., None], world: int, backend: str, quick: bool,
            deadline_s: float) -> dict[str, Any]:
-    """Runs ``target`` on ``world`` spawned ranks and returns what rank 0 wrote.
+    """Runs ``target`` on ``world`` ranks (new processes) and returns what rank 0 wrote.
 
     Ranks still alive after ``deadline_s`` are killed; any rank that did not exit
     cleanly makes this raise, naming the benchmark and the exit codes.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _rank_context()
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
         ranks = [context.Process(target=target, args=(rank, world, backend, init_file, out_file, quick))

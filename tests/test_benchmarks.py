@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile", "e2e"]
+ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile", "e2e",
+       "host"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -525,13 +526,11 @@ CENSUS = {
 }
 
 
-def test_host_census_counts_every_launch_and_copy_of_a_step(tmp_path):
-    """``python -m benchmarks --only host --quick``: the table, and exact launch and copy counts per step."""
-    env = {k: v for k, v in os.environ.items() if k != "TFUSE_BACKEND"}
-    result = run_command([sys.executable, "-m", "benchmarks", "--quick", "--only", "host", "--out", str(tmp_path)],
-                         cwd=ROOT, env=env, timeout=600)
+def test_host_census_counts_every_launch_and_copy_of_a_step(quick_run):
+    """``--only host --quick`` (in the smoke run): the table, and exact launch and copy counts per step."""
+    out, result = quick_run
     assert result.returncode == 0, result.stderr[-4000:]
-    table = next(tmp_path.glob("host-*.md")).read_text()
+    table = next(out.glob("host-*.md")).read_text()
     assert "stubbed driver" in table and "- Timing:" in table
     rows = {(row["model"], row["mode"]): row for row in _table_rows(table)}
     assert len(rows) == 9
@@ -543,10 +542,9 @@ def test_host_census_counts_every_launch_and_copy_of_a_step(tmp_path):
             assert int(row["Triton launches"]) == sum(kernels.values()), (model, mode)
             assert int(row["of them copy_"]) == copies, (model, mode)
             assert float(row["host ms/step, median (q1-q3)"].split()[0]) > 0
-    # The census's own JSON lines carry the launches by kernel.
-    lines = run_command([sys.executable, "-m", "benchmarks.host", "--counts-only", "--json"], cwd=ROOT,
-                        env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"}, timeout=600)
-    assert lines.returncode == 0, lines.stderr[-4000:]
-    for row in map(json.loads, filter(None, lines.stdout.splitlines())):
-        expected = CENSUS[row["model"]][0] if row["mode"] != "eager" else {}
-        assert row["launches_by_kernel"] == expected, (row["model"], row["mode"])
+    # The launches by kernel, one progress line per row.
+    by_kernel = dict(re.findall(r"^\[host\] (.+?): launches by kernel (\{.*\})$", result.stderr, flags=re.MULTILINE))
+    assert len(by_kernel) == 9
+    for (model, mode), row in rows.items():
+        expected = CENSUS[model][0] if mode != "eager" else {}
+        assert json.loads(by_kernel[f"{model}, {mode}"]) == expected, (model, mode)
