@@ -38,7 +38,12 @@ def assert_input_grad(gx: torch.Tensor, bn: nn.Module, act: str, x: torch.Tensor
 
 
 def reference_step(bn: nn.Module, act: str, x: torch.Tensor, residual: torch.Tensor | None, dy: torch.Tensor):
-    """nn.BatchNorm + residual + act in float32 on the same values: output and gradients."""
+    """nn.BatchNorm + residual + act in float32 on the same values: output and gradients.
+
+    sigmoid and tanh differentiate from their output, in torch as in tfuse: from the output as it is kept,
+    rounded to x's dtype (in bfloat16 near saturation 1 - y*y of the rounded y is far from float32's, and a
+    parameter gradient sums those terms).
+    """
     xr = x.detach().float().requires_grad_()
     rr = residual.detach().float().requires_grad_() if residual is not None else None
     z = bn(xr)
@@ -46,7 +51,12 @@ def reference_step(bn: nn.Module, act: str, x: torch.Tensor, residual: torch.Ten
         z = z + rr
     y = torch_activation(act, 0.01)(z)
     leaves = [xr] + ([rr] if rr is not None else []) + [p for p in (bn.weight, bn.bias) if p is not None]
-    grads = torch.autograd.grad(y, leaves, dy.float())
+    if act in ("sigmoid", "tanh"):
+        kept = y.detach().to(x.dtype).float()
+        backward = torch.ops.aten.sigmoid_backward if act == "sigmoid" else torch.ops.aten.tanh_backward
+        grads = torch.autograd.grad(z, leaves, backward(dy.float(), kept))
+    else:
+        grads = torch.autograd.grad(y, leaves, dy.float())
     return y, grads
 
 
