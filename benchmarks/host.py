@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_compiled_mode()
     torch.set_flush_denormal(True)  # stubbed kernels leave garbage: keep denormal arithmetic out of the timings
-    rounds, steps = (0, 0) if args.counts_only else ((2, 2) if args.quick else (7, 5))
+    rounds, steps = (0, 0) if args.counts_only else ((1, 2) if args.quick else (7, 5))
     wanted = args.models.split(",")
     for model, layout, batch in MODELS:
         if model not in wanted:
