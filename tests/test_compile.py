@@ -16,13 +16,11 @@ import copy
 
 import pytest
 import torch
-import torch._dynamo
 from torch import nn
 from torch.library import opcheck
 
 import tfuse
 
-tfuse.ops.register_library()  # the tests below call torch.ops.tfuse.* directly
 from tests.optim_helpers import make_pair, run_side_by_side
 from tfuse.ops._activations import Activation
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
@@ -35,6 +33,13 @@ OPCHECK_OK = {"test_schema", "test_autograd_registration", "test_faketensor", "t
 def assert_opcheck(op, args) -> None:
     result = opcheck(op, args)
     assert set(result) == OPCHECK_OK and all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered_ops():
+    """The tests below call torch.ops.tfuse.* directly: register them (this imports torch._dynamo, seconds of
+    CPU, so it happens when this file's tests run, not when every worker collects it)."""
+    tfuse.ops.register_library()
 
 
 # ---------------------------------------------------------------------------- the registered ops
@@ -145,6 +150,8 @@ class Net(nn.Module):
 
 
 def test_a_model_of_tfuse_layers_compiles_without_a_graph_break(device):
+    import torch._dynamo
+
     model = Net().to(device)
     explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 8, 8, device=device))
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
