@@ -72,6 +72,9 @@ def measure_group(model: str, layout: str, batch: int, variants: Sequence[str], 
     from .e2e_models import build
     from .e2e_step import Workload, device_profile, host_ms, make_variant, summary, wall_ms
 
+    from tfuse import _backend
+
+    _backend._size_choices.clear()  # which path the size rule took, for this group's shapes only
     spec = build(model, scale)
     load = Workload(spec, batch, layout, device)
     base = load.make_base()
@@ -105,6 +108,8 @@ def measure_group(model: str, layout: str, batch: int, variants: Sequence[str], 
             device_ms=device_ms, kernels=kernels,
             triton_launches=variant.triton_launches, peak_mb=variant.peak_mb, setup_s=variant.setup_s,
             losses=variant.losses, samples_per_s=load.samples / wall["median"] * 1e3, fusion=variant.note,
+            # tfuse's size rule (tfuse._backend): "op elements-class" -> the path it took in this group
+            size_dispatch={f"{op} {size}": path for (op, size), path in _backend.size_dispatch().items()},
         )
         if reference is not None:
             row["vs_eager"] = summary(walls["eager"])["median"] / wall["median"]

@@ -79,16 +79,7 @@ import triton  # noqa: E402
 
 import tfuse  # noqa: E402
 import tfuse._launch as launch_mod  # noqa: E402
-import tfuse.ops.add as add_op  # noqa: E402
-import tfuse.ops.add_act as add_act_op  # noqa: E402
-import tfuse.ops.batch_norm as batch_norm_op  # noqa: E402
-import tfuse.ops.depthwise as depthwise_op  # noqa: E402
-import tfuse.optim._flat_optimizer as flat_optimizer  # noqa: E402
-import tfuse.optim._update as optim_update  # noqa: E402
-import tfuse.optim.adam as adam_op  # noqa: E402
-import tfuse.optim.clip as clip_op  # noqa: E402
-import tfuse.optim.sgd as sgd_op  # noqa: E402
-from tfuse._backend import Backend, interpreter_active  # noqa: E402
+from tfuse._backend import interpreter_active  # noqa: E402
 from tfuse._launch import kernel_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,65 +178,29 @@ class Capture:
             self.current = previous
 
 
-LAUNCHING_MODULES = (  # the modules that launch kernels (captures patch their names)
-    add_op, add_act_op, batch_norm_op, depthwise_op, clip_op, adam_op, sgd_op, flat_optimizer, optim_update,
-)
-
-
 @contextlib.contextmanager
 def captured_launches(gpu: Gpu = H100, compiler: Compiler | None = None) -> Iterator[Capture]:
     """Runs tfuse ops on CPU or meta tensors as if on ``gpu``: the Triton path, launches recorded, not run.
 
-    What the launchers ask of the device answers as ``gpu`` would:
-    ``target_programs`` as for a CUDA device of ``gpu.sms`` SMs, and
-    ``resident_programs`` (a reduction grid sized from the compiled kernel's
-    occupancy) from the sm_90 compile of that kernel by ``compiler``, so the
-    grids are the GPU's.
+    What the launchers ask of the device answers as ``gpu`` would
+    (:func:`tfuse._launch.simulate_gpu`): ``target_programs`` as for a CUDA
+    device of ``gpu.sms`` SMs, and ``resident_programs`` (a reduction grid
+    sized from the compiled kernel's occupancy) from the sm_90 compile of
+    that kernel by ``compiler``, so the grids are the GPU's. Launches are
+    recorded through :func:`tfuse._launch.watch_launches` with ``run=False``.
     """
     capture = Capture()
-    real_target_programs = launch_mod.target_programs
 
-    def launch(kernel, grid, args, meta, device, *cache):
+    def record(kernel, grid, args, meta, device):
         grid = tuple(grid(meta) if callable(grid) else grid)
         capture.launches.append(Launch(kernel, grid, tuple(args), dict(meta), capture.current))
 
-    def target_programs(device):
-        return real_target_programs(torch.device("cuda", 0))
-
-    def resident_programs(kernel, args, meta, device):
+    def resident_programs(kernel, args, meta):
         compiled, _ = (compiler or default_compiler()).compile(kernel, tuple(args), dict(meta))
         return max(1, occupancy(compiled.resources["regs"], compiled.num_warps, compiled.shared, gpu).blocks) * gpu.sms
 
-    replacements = {
-        "launch": launch,
-        "launch_cached": launch,
-        "select_backend": lambda device, op: Backend.TRITON,
-        "target_programs": target_programs,
-        "gpu_sm_count": lambda device: gpu.sms,
-        "resident_programs": resident_programs,
-        # batch_norm's wrapper asks resident_programs only for CUDA tensors; answer it as the GPU would.
-        "_resident": resident_programs,
-    }
-    replacements["_multiprocessor_count"] = lambda device_index: gpu.sms
-    with patched_launchers(replacements):
+    with launch_mod.simulate_gpu(gpu.sms, resident_programs), launch_mod.watch_launches(record, run=False):
         yield capture
-
-
-@contextlib.contextmanager
-def patched_launchers(replacements: dict[str, Any]) -> Iterator[None]:
-    """Within the block, each name in ``replacements`` is replaced in every module that launches kernels and in
-    tfuse._launch (whose own ``launch`` and ``launch_cached`` stay: the modules' references are what is replaced)."""
-    saved: list[tuple[Any, str, Any]] = []
-    for module in (*LAUNCHING_MODULES, launch_mod):
-        for name, value in replacements.items():
-            if hasattr(module, name) and not (module is launch_mod and name in ("launch", "launch_cached")):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
 
 
 @functools.cache
@@ -1087,22 +1042,12 @@ def validate_on_cuda(selected: Sequence[Case], compiler: Compiler) -> list[dict]
         for case in selected:
             seen: list[Launch] = []
 
-            def recorder(real):
-                def recording(kernel, grid, args, meta, device, *rest):
-                    real(kernel, grid, args, meta, device, *rest)
-                    seen.append(Launch(kernel, tuple(grid), tuple(args), dict(meta), "gpu"))
-                return recording
+            def recording(kernel, grid, args, meta, device):
+                seen.append(Launch(kernel, tuple(grid), tuple(args), dict(meta), "gpu"))
 
-            patched = [(m, name, getattr(m, name)) for m in LAUNCHING_MODULES for name in ("launch", "launch_cached")
-                       if hasattr(m, name)]
-            for module, name, real in patched:
-                setattr(module, name, recorder(real))
-            try:
+            with launch_mod.watch_launches(recording):
                 case.run(Capture())
                 torch.cuda.synchronize()
-            finally:
-                for module, name, real in patched:
-                    setattr(module, name, real)
             for launch in seen:
                 static, _ = compiler.compile(launch.kernel, launch.args, launch.meta)
                 real = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.meta)

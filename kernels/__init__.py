@@ -17,7 +17,19 @@ from typing import Any
 from . import codes  # noqa: F401
 
 #: Kernel modules, imported on first attribute access.
-_MODULES = ("activations", "add", "add_act", "batch_norm", "cast", "depthwise", "kit", "norm", "optim", "tiles")
+_MODULES = (
+    "activations",
+    "add",
+    "add_act",
+    "batch_norm",
+    "bn_merge",
+    "cast",
+    "depthwise",
+    "kit",
+    "norm",
+    "optim",
+    "tiles",
+)
 #: Kernels by name -> their module (``kernels._add_fwd_kernel`` and so on).
 _KERNELS = {
     "_add_fwd_kernel": "add",
@@ -27,8 +39,6 @@ _KERNELS = {
     "_bn_act_bwd_dx_kernel": "batch_norm",
     "_bn_act_bwd_reduce_kernel": "batch_norm",
     "_bn_act_fwd_kernel": "batch_norm",
-    "_bn_bwd_final_kernel": "batch_norm",
-    "_bn_stats_final_kernel": "batch_norm",
     "_bn_stats_partial_kernel": "batch_norm",
     "_dw_bwd_dw_final_kernel": "depthwise",
     "_dw_bwd_dw_partial_kernel": "depthwise",

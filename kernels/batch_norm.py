@@ -23,22 +23,49 @@ whole chunk (a lane always sees the same channel) and the program reduces them
 once at the end, per channel: ``SEG`` says how (LANE: a column is a channel;
 ONE: the window is one channel; PACKED: CB channels of S lanes each, gathered
 into [channels, S_PAD] tiles through shared memory). No barrier runs inside
-the loops. The small final kernels merge the chunk partials of a block of
-channels in parallel tiles, in a fixed order: results are deterministic.
+the loops.
+
+Merging the chunk partials takes no launch of its own: the last programs to
+finish merge them ("last program merges", the semaphore of split-K matmuls),
+in two levels. Each program stores its partials, then adds 1 to its chunk
+block's arrival counter (an int32; an atomic with acq_rel semantics at GPU
+scope, after a CTA barrier so that every thread's stores precede the
+release). The program that reads back ``arrivals - 1`` has seen every other
+program of its block arrive, so their partials are visible to it (it reads
+them after the acquire, at L2); it merges the block's chunks into the
+block's partial, then arrives the same way at its column group's counter,
+where the last block merger merges the blocks and writes the group's
+channels of the table (and running statistics, or the gradients and dx
+coefficients). Each level merges in a fixed order (chunk by chunk, block by
+block, whatever order the programs finished in), so results are
+deterministic; a group's blocks are ``chunks_per_block`` chunks, which the
+launcher picks so that both levels take few steps (a channels_last group
+can have a thousand chunks, too many for one program to merge quickly;
+small grids have one block, and merging one block is exact). The last
+arrival puts each counter back to 0, so the counters need no clearing
+between launches (nor between CUDA graph replays). The merges are
+predicated, not branched around, and read nothing in the programs that are
+not last. The grid stays one wave with no redundant work: the merges read
+each chunk partial once, as a separate merge kernel did, and the block
+partials once more. The launcher keeps the counters
+(``tfuse/ops/batch_norm.py``).
 
 Numerics: statistics are shifted sums (each channel's values minus its first
 value in the chunk, or the mean of its first row piece when one channel fills
 the program, so a channel with mean 1000 and std 1 sums numbers of size 1),
-merged across chunks with Chan's formula around the first chunk's mean.
+merged across chunks (and blocks of chunks) with Chan's formula around the
+first one's mean.
 
-Training forward (3 launches): partial statistics -> merge into the per-channel
-table [mean, 1/std, scale = weight/std, bias] (+ running statistics update) ->
-normalise + residual + activation. Eval forward: the last pass alone, reading
-the running statistics. Backward (training): sums of dy' = dy * act'(.) and
-dy' * x_hat (writing d(residual) = dy' on the way) -> d(weight), d(bias) and
-the dx coefficients [mean, scale, bias, scale * mean(dy'), scale / std *
-mean(dy' x_hat)] -> dx (from dy' read back when d(residual) was written).
-In eval the first pass writes dx and d(residual) itself.
+Training forward (2 launches): statistics (partials, merged by each group's
+last program into the per-channel table [mean, 1/std, scale = weight/std,
+bias] + the running statistics update) -> normalise + residual + activation.
+Eval forward: the last pass alone, reading the running statistics. Backward
+(training, 2 launches with dx): sums of dy' = dy * act'(.) and dy' * x_hat
+(writing d(residual) = dy' on the way), merged by each group's last program
+into d(weight), d(bias) and the dx coefficients [mean, scale, bias, scale *
+mean(dy'), scale / std * mean(dy' x_hat)] -> dx (from dy' read back when
+d(residual) was written). Without dx the first pass is the whole backward;
+in eval it writes dx and d(residual) itself.
 """
 
 import triton
@@ -46,6 +73,17 @@ import triton.language as tl
 
 from . import codes
 from .activations import _act, _act_backward, _act_backward_from_output
+from .bn_merge import (
+    _bn_arrive,
+    _bn_bwd_finish,
+    _bn_chan_merge,
+    _bn_group_channels,
+    _bn_merge_block,
+    _bn_only_if,
+    _bn_stats_finish,
+    _bn_sum_merge,
+    _finite_or_zero,
+)
 from .cast import _cast_to
 from .kit import _acc_dtype, _float_arg
 
@@ -93,15 +131,6 @@ def _bn_chunk(n_rows, rows_per_chunk, INDEX_64: tl.constexpr):
         chunk = chunk.to(tl.int64)
     row_begin = chunk * rows_per_chunk
     return row_begin, tl.minimum(row_begin + rows_per_chunk, n_rows)
-
-
-@triton.jit
-def _finite_or_zero(values):
-    """A shift must be finite: an inf shift turns an inf mean into inf - inf = NaN (torch's CPU mean is inf).
-
-    Any finite shift gives the same statistics; 0 stands in for inf/NaN.
-    """
-    return tl.where(tl.abs(values) < float("inf"), values, 0.0)
 
 
 @triton.jit
@@ -165,15 +194,22 @@ def _bn_segment_sums(
         return start // SS + local, local < n_channels, a_sums, b_sums
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk", "chunks_per_block"])
 def _bn_stats_partial_kernel(
-    x_ptr, buf_ptr, n_rows, n_cols, SS, GW, rows_per_chunk,
+    x_ptr, buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr, counter_ptr,
+    n_rows, n_cols, SS, GW, rows_per_chunk, chunks_per_block, eps, eps_lo, momentum, momentum_lo,
+    UPDATE_RUNNING: tl.constexpr, AFFINE: tl.constexpr,
     SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
-    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, MK: tl.constexpr, MC: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
-    """Mean and M2 (sum of squared deviations) per channel of one (column group, row chunk).
+    """Mean and M2 (sum of squared deviations) per channel of one (column group, row chunk), merged in
+    two levels by the last programs to arrive: of each block of ``chunks_per_block`` chunks, then of the group.
 
-    Writes buf[4C + chunk * C + c] (mean) and buf[4C + (n_chunks + chunk) * C + c] (M2).
+    buf: [the table [4, C] | chunk means [n_chunks, C] | chunk M2 [n_chunks, C] | block means [n_blocks, C]
+    | block M2 [n_blocks, C]]. The group's last program writes the table and the running statistics
+    (:func:`_bn_stats_finish`). counter_ptr: int32 [groups + groups * n_blocks] (a group's counter, then
+    each group's block counters), 0 at launch, left 0.
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
     C = n_cols // SS
@@ -232,65 +268,32 @@ def _bn_stats_partial_kernel(
         m2 = tl.maximum(s2 - s1 * (s1 / count), 0.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(out + channels, mean, mask=channel_mask)
         tl.store(out + tl.num_programs(1) * C + channels, m2, mask=channel_mask)
-
-
-@triton.jit(do_not_specialize=["C", "n_chunks", "rows_per_chunk", "n_rows"])
-def _bn_stats_final_kernel(
-    buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr,
-    C, n_chunks, rows_per_chunk, n_rows, SS, eps, eps_lo, momentum, momentum_lo,
-    UPDATE_RUNNING: tl.constexpr, AFFINE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-    ACC_FP64: tl.constexpr,
-):
-    """Merges the chunk partials of BLOCK_C channels (Chan's formula, shifted by chunk 0's mean).
-
-    Writes the table buf[0:4C] = [mean, 1/sqrt(var + eps), weight/sqrt(var + eps), bias]
-    and updates the running statistics (running_var gets the unbiased variance, as torch).
-    """
-    acc: tl.constexpr = _acc_dtype(ACC_FP64)
-    eps = _float_arg(eps, eps_lo, ACC_FP64)
-    momentum = _float_arg(momentum, momentum_lo, ACC_FP64)
-    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channels < C
-    partials = buf_ptr + 4 * C
-    shift = tl.load(partials + channels, mask=channel_mask, other=0.0)
-    shift = _finite_or_zero(shift)  # chunk 0's mean
-    w1 = tl.zeros([BLOCK_K, BLOCK_C], acc)
-    w2 = tl.zeros([BLOCK_K, BLOCK_C], acc)
-    for k0 in range(0, n_chunks, BLOCK_K):
-        chunks = k0 + tl.arange(0, BLOCK_K)
-        mask = (chunks < n_chunks)[:, None] & channel_mask[None, :]
-        count = (tl.minimum(rows_per_chunk, n_rows - chunks * rows_per_chunk).to(acc) * SS)[:, None]
-        offsets = chunks[:, None] * C + channels[None, :]
-        mean = tl.load(partials + offsets, mask=mask, other=0.0)
-        m2 = tl.load(partials + n_chunks * C + offsets, mask=mask, other=0.0)
-        d = tl.where(mask, mean - shift[None, :], 0.0)
-        w1 += count * d
-        w2 += m2 + count * d * d
-    s1 = tl.sum(w1, axis=0)
-    s2 = tl.sum(w2, axis=0)
-    total = n_rows.to(acc) * SS
-    mean = shift + s1 / total
-    m2 = tl.maximum(s2 - s1 * (s1 / total), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    invstd = 1.0 / tl.sqrt(m2 / total + eps)
-    if AFFINE:
-        weight = tl.load(weight_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-        bias = tl.load(bias_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-        scale = invstd * weight
-    else:
-        scale = invstd
-        bias = tl.zeros_like(mean)
-    tl.store(buf_ptr + channels, mean, mask=channel_mask)
-    tl.store(buf_ptr + C + channels, invstd, mask=channel_mask)
-    tl.store(buf_ptr + 2 * C + channels, scale, mask=channel_mask)
-    tl.store(buf_ptr + 3 * C + channels, bias, mask=channel_mask)
-    if UPDATE_RUNNING:
-        unbiased = m2 / (total - 1.0)
-        running_mean = tl.load(running_mean_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-        running_var = tl.load(running_var_ptr + channels, mask=channel_mask, other=0.0).to(acc)
-        running_mean = running_mean * (1.0 - momentum) + mean * momentum
-        running_var = running_var * (1.0 - momentum) + unbiased * momentum
-        tl.store(running_mean_ptr + channels, running_mean.to(running_mean_ptr.dtype.element_ty), mask=channel_mask)
-        tl.store(running_var_ptr + channels, running_var.to(running_var_ptr.dtype.element_ty), mask=channel_mask)
+    # The merges, predicated rather than branched on (a branch around them cost spills in some kernels).
+    n_chunks = tl.num_programs(1)
+    block, block_first, block_chunks, n_blocks = _bn_merge_block(n_chunks, chunks_per_block)
+    group, group_mask = _bn_group_channels(start, end, SS, MC)
+    g = tl.program_id(0)
+    chunk_means = buf_ptr + 4 * C
+    block_means = chunk_means + 2 * n_chunks * C
+    # Level 1: the block's last program merges its chunks into the block's mean and M2.
+    last = _bn_arrive(counter_ptr + tl.num_programs(0) + g * n_blocks + block, block_chunks, block >= 0)
+    mean, m2, _ = _bn_chan_merge(
+        chunk_means, chunk_means + n_chunks * C, block_first, block_chunks, rows_per_chunk, n_rows, SS,
+        group, group_mask, C, last, MK, MC, acc,
+    )
+    tl.store(block_means + block * C + group, mean, mask=_bn_only_if(group_mask, last))
+    tl.store(block_means + (n_blocks + block) * C + group, m2, mask=_bn_only_if(group_mask, last))
+    # Level 2: the group's last block merger merges the blocks: the table and the running statistics.
+    last = _bn_arrive(counter_ptr + g, n_blocks, last)
+    mean, m2, total = _bn_chan_merge(
+        block_means, block_means + n_blocks * C, 0, n_blocks, rows_per_chunk * chunks_per_block, n_rows, SS,
+        group, group_mask, C, last, MK, MC, acc,
+    )
+    _bn_stats_finish(
+        buf_ptr, running_mean_ptr, running_var_ptr, weight_ptr, bias_ptr, group, _bn_only_if(group_mask, last), C,
+        mean, m2, total, _float_arg(eps, eps_lo, ACC_FP64), _float_arg(momentum, momentum_lo, ACC_FP64),
+        UPDATE_RUNNING, AFFINE, acc,
+    )
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
@@ -349,22 +352,27 @@ def _bn_act_grad_out(
     return tl.where(mask, dz, 0.0), xc
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk"])
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "GW", "rows_per_chunk", "chunks_per_block"])
 def _bn_act_bwd_reduce_kernel(
     dy_ptr, src_ptr, x_ptr, p_ptr, var_ptr, weight_ptr, bias_ptr, buf_ptr, dx_ptr, dres_ptr,
-    n_rows, n_cols, SS, GW, rows_per_chunk, eps, eps_lo, negative_slope, negative_slope_lo,
+    dweight_ptr, dbias_ptr, counter_ptr,
+    n_rows, n_cols, SS, GW, rows_per_chunk, chunks_per_block, eps, eps_lo, negative_slope, negative_slope_lo,
     HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr, FROM_RUNNING: tl.constexpr, AFFINE: tl.constexpr,
     ACT: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+    MERGE: tl.constexpr, WRITE_DWEIGHT: tl.constexpr, WRITE_DBIAS: tl.constexpr, WRITE_COEF: tl.constexpr,
     SEG: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, VEC: tl.constexpr,
-    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
+    PARTS: tl.constexpr, CB_PART: tl.constexpr, S_PAD: tl.constexpr, MK: tl.constexpr, MC: tl.constexpr,
+    INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
 ):
-    """Backward pass 1: per (column group, row chunk) sums of dy' and dy' * x_hat per channel.
+    """Backward pass 1: per (column group, row chunk) sums of dy' and dy' * x_hat per channel; with MERGE,
+    merged in two levels as the statistics are (:func:`_bn_stats_partial_kernel`), the group's last program
+    writing d(weight), d(bias) and the dx coefficients (:func:`_bn_bwd_finish`).
 
-    Writes buf[5C + chunk * C + c] and buf[5C + (n_chunks + chunk) * C + c].
-    With running statistics (eval) dx = dy' * scale needs no sums, so
+    buf: [the dx table [5, C] | chunk sums of dy' [n_chunks, C] | of dy' x_hat [n_chunks, C] | block sums
+    [n_blocks, C] each]. With running statistics (eval) dx = dy' * scale needs no sums, so
     WRITE_DX writes dx here and no second pass runs. WRITE_DRES writes
     d(residual) = dy' here in either mode (the dx pass then reads dy' back
-    instead of dy and the saved tensor).
+    instead of dy and the saved tensor). counter_ptr (MERGE): as the statistics kernel's.
     """
     acc: tl.constexpr = _acc_dtype(ACC_FP64)
     eps = _float_arg(eps, eps_lo, ACC_FP64)
@@ -412,49 +420,27 @@ def _bn_act_bwd_reduce_kernel(
         )
         tl.store(out + channels, s_dz, mask=channel_mask)
         tl.store(out + tl.num_programs(1) * C + channels, s_dz_xhat, mask=channel_mask)
-
-
-@triton.jit(do_not_specialize=["C", "n_chunks", "count"])
-def _bn_bwd_final_kernel(
-    buf_ptr, p_ptr, dweight_ptr, dbias_ptr, C, n_chunks, count,
-    WRITE_DWEIGHT: tl.constexpr, WRITE_DBIAS: tl.constexpr, WRITE_COEF: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, ACC_FP64: tl.constexpr,
-):
-    """Sums the chunk partials of BLOCK_C channels: d(bias) = sum dy', d(weight) = sum dy' x_hat.
-
-    WRITE_COEF (batch statistics, dx or d(residual) wanted) also writes the dx
-    pass's table buf[0:5C] = [mean, scale, bias, scale * mean(dy'), scale / std * mean(dy' x_hat)]
-    from the forward's table p_ptr.
-    """
-    acc: tl.constexpr = _acc_dtype(ACC_FP64)
-    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_mask = channels < C
-    partials = buf_ptr + 5 * C
-    w1 = tl.zeros([BLOCK_K, BLOCK_C], acc)
-    w2 = tl.zeros([BLOCK_K, BLOCK_C], acc)
-    for k0 in range(0, n_chunks, BLOCK_K):
-        chunks = k0 + tl.arange(0, BLOCK_K)
-        mask = (chunks < n_chunks)[:, None] & channel_mask[None, :]
-        offsets = chunks[:, None] * C + channels[None, :]
-        w1 += tl.load(partials + offsets, mask=mask, other=0.0)
-        w2 += tl.load(partials + n_chunks * C + offsets, mask=mask, other=0.0)
-    sum_dz = tl.sum(w1, axis=0)
-    sum_dz_xhat = tl.sum(w2, axis=0)
-    if WRITE_DWEIGHT:
-        tl.store(dweight_ptr + channels, sum_dz_xhat.to(dweight_ptr.dtype.element_ty), mask=channel_mask)
-    if WRITE_DBIAS:
-        tl.store(dbias_ptr + channels, sum_dz.to(dbias_ptr.dtype.element_ty), mask=channel_mask)
-    if WRITE_COEF:
-        total = count.to(acc)
-        mean = tl.load(p_ptr + channels, mask=channel_mask, other=0.0)
-        invstd = tl.load(p_ptr + C + channels, mask=channel_mask, other=0.0)
-        scale = tl.load(p_ptr + 2 * C + channels, mask=channel_mask, other=0.0)
-        bias = tl.load(p_ptr + 3 * C + channels, mask=channel_mask, other=0.0)
-        tl.store(buf_ptr + channels, mean, mask=channel_mask)
-        tl.store(buf_ptr + C + channels, scale, mask=channel_mask)
-        tl.store(buf_ptr + 2 * C + channels, bias, mask=channel_mask)
-        tl.store(buf_ptr + 3 * C + channels, scale * (sum_dz / total), mask=channel_mask)
-        tl.store(buf_ptr + 4 * C + channels, scale * invstd * (sum_dz_xhat / total), mask=channel_mask)
+    if MERGE:  # predicated, as the statistics kernel's merges
+        n_chunks = tl.num_programs(1)
+        block, block_first, block_chunks, n_blocks = _bn_merge_block(n_chunks, chunks_per_block)
+        group, group_mask = _bn_group_channels(start, end, SS, MC)
+        g = tl.program_id(0)
+        chunk_sums = buf_ptr + 5 * C
+        block_sums = chunk_sums + 2 * n_chunks * C
+        last = _bn_arrive(counter_ptr + tl.num_programs(0) + g * n_blocks + block, block_chunks, block >= 0)
+        s_dz, s_dz_xhat = _bn_sum_merge(
+            chunk_sums, chunk_sums + n_chunks * C, block_first, block_chunks, group, group_mask, C, last, MK, MC, acc
+        )
+        tl.store(block_sums + block * C + group, s_dz, mask=_bn_only_if(group_mask, last))
+        tl.store(block_sums + (n_blocks + block) * C + group, s_dz_xhat, mask=_bn_only_if(group_mask, last))
+        last = _bn_arrive(counter_ptr + g, n_blocks, last)
+        s_dz, s_dz_xhat = _bn_sum_merge(
+            block_sums, block_sums + n_blocks * C, 0, n_blocks, group, group_mask, C, last, MK, MC, acc
+        )
+        _bn_bwd_finish(
+            buf_ptr, p_ptr, dweight_ptr, dbias_ptr, group, _bn_only_if(group_mask, last), C, s_dz, s_dz_xhat,
+            n_rows.to(acc) * SS, WRITE_DWEIGHT, WRITE_DBIAS, WRITE_COEF,
+        )
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "rows_per_chunk"])
@@ -468,7 +454,7 @@ def _bn_act_bwd_dx_kernel(
     """Backward pass 2 (batch statistics): dx = scale * (dy' - mean(dy') - x_hat * mean(dy' x_hat)).
 
     That is scale * dy' - a - (x - mean) * b with the per-channel a, b of the
-    table q_ptr [mean, scale, bias, a, b] (written by _bn_bwd_final_kernel).
+    table q_ptr [mean, scale, bias, a, b] (written by the first pass's merge, _bn_bwd_finish).
     FROM_DZ: dy' is read from src_ptr, the d(residual) the first pass wrote
     (it is dy'), instead of being recomputed from dy and the saved tensor.
     """

@@ -19,6 +19,10 @@ if not ON_CUDA:
 
 import tfuse  # noqa: E402  (after the interpreter switch, on purpose)
 
+# The tests exercise the kernels at small shapes; on a GPU the size rule (tfuse._backend) would send those
+# to the PyTorch path. tests/test_launch_seam.py tests the rule itself.
+os.environ.setdefault("TFUSE_SMALL_OP_ELEMENTS", "0")
+
 # With its index on CUDA: a tensor's device is always indexed (cuda:0), and torch.device("cuda") compares
 # unequal to it, which made device checks in the tests fail on the GPU only.
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device("cpu")

@@ -16,7 +16,9 @@ specialise them, to PTX and cubin with Triton's bundled ptxas. One JSON line
 per launch (``kind``: ``compile`` or ``launch``) gives registers, spills,
 global access widths per pointer argument, barriers, grid and occupancy; one
 per op phase (``phase``) the bytes moved against the minimum; then
-``sass_check`` lines (the cubin decoder against nvdisasm) and a ``summary``.
+``sass_check`` lines (the cubin decoder against nvdisasm), ``merge_check``
+lines (how batch norm's reductions hand their partials to the program that
+merges them, read from the PTX) and a ``summary``.
 This says nothing about speed; it shows regressions without a GPU.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -177,6 +180,26 @@ vector_widths = roofline.vector_widths
 #: Kernels whose SASS decoding is checked against nvdisasm (one loop-free, one with a loop and barriers).
 SASS_CHECKED = (("add3_1e8_fp32", "_add_fwd_kernel"), ("bn_64x112x112_nchw_bf16", "_bn_stats_partial_kernel"))
 
+#: Reductions whose last program per column group merges the group's partials (kernels/batch_norm.py).
+MERGING_REDUCTIONS = ("_bn_stats_partial_kernel", "_bn_act_bwd_reduce_kernel")
+
+
+def merge_ordering(ptx: str) -> dict:
+    """How a merging reduction publishes its partials and learns it is last, from its PTX: its atomics, whether a
+    CTA barrier lies between each atomic and the last global store before it (every thread's partials stored
+    before the release), and how many global loads after the first bypass L1 (``ld.global.cg``)."""
+    lines = ptx.splitlines()
+    atomics = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line)]
+    barriers = []
+    for atomic in atomics:
+        last_store = max((i for i, line in enumerate(lines[:atomic]) if "st.global" in line), default=-1)
+        barriers.append(any("bar.sync" in line for line in lines[last_store + 1:atomic]))
+    return dict(
+        atomics=[re.search(r"\batom\.[\w.:]+", lines[i]).group(0) for i in atomics],
+        barriers_before=barriers,
+        cg_loads_after=sum("ld.global.cg" in line for line in lines[atomics[0]:]) if atomics else 0,
+    )
+
 
 def main(names: list[str]) -> None:
     start = time.perf_counter()
@@ -196,8 +219,9 @@ def main(names: list[str]) -> None:
     captured = roofline.capture_cases(roofline_cases, compiler=compiler)
     # Every distinct specialisation compiles once, in parallel processes, before any record is read.
     compiler.prefetch([launch for _, launch in compile_launches] + [l for _, ls in captured for l in ls])
-    for name, launch in compile_launches:
-        print(json.dumps(dict(roofline.launch_record(compiler, launch, name), kind="compile")))
+    compile_records = [roofline.launch_record(compiler, launch, name) for name, launch in compile_launches]
+    for record in compile_records:
+        print(json.dumps(dict(record, kind="compile")))
     records, phases = roofline.run_cases(roofline_cases, compiler, captured=captured)
     for record in records:
         print(json.dumps(dict(record, kind="launch")))
@@ -212,6 +236,10 @@ def main(names: list[str]) -> None:
             print(json.dumps(dict(kind="sass_check", case=case, kernel=kernel,
                                   decoded=roofline.sass_counts(compiled.cubin, kernel),
                                   nvdisasm=roofline.nvdisasm_counts(compiled.cubin, kernel))))
+    for record in compile_records + records:
+        if record["kernel"] in MERGING_REDUCTIONS:
+            print(json.dumps(dict(kind="merge_check", case=record["case"], kernel=record["kernel"],
+                                  **merge_ordering(by_key[record["key"]].ptx))))
     print(json.dumps(dict(
         kind="summary", triton=roofline.triton.__version__, launches=launches, compiled=len(compiler.cache),
         builds=compiler.builds, workers=roofline.default_workers(), compile_seconds=round(compiler.compile_seconds, 1),

@@ -288,8 +288,8 @@ def test_wide_columns_values_and_gradients(pattern, act, dtype, backend, device,
     ]
     inputs = [t.requires_grad_() for t in inputs]
     launched = []
-    real_launch = add_act_op.launch
-    monkeypatch.setattr(add_act_op, "launch", lambda k, g, a, meta, d: launched.append(meta) or real_launch(k, g, a, meta, d))
+    watcher = (lambda k, g, a, meta, d: launched.append(meta), True)
+    monkeypatch.setattr(tfuse._launch, "_watchers", [*tfuse._launch._watchers, watcher])
     with tfuse.use_backend(backend):
         y = tfuse.add_act(*inputs, act=act)
         grad = torch.randn_like(y)

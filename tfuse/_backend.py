@@ -9,6 +9,17 @@ Rules, checked on every call (so a test or a script may change them at will):
   Triton's interpreter is on (``TRITON_INTERPRET=1`` set before triton was
   imported); the PyTorch path for every other case, and everywhere when
   Triton is not installed (macOS, Windows, images without it).
+* Size (``auto`` on CUDA only): an op whose tensors hold fewer elements than
+  :func:`small_op_elements` (``TFUSE_SMALL_OP_ELEMENTS``, default
+  32768: 64 KiB of bf16) is served by the PyTorch path. At that size every
+  kernel is latency-bound (a few microseconds whatever it does), so fusing
+  saves no device time, while each of tfuse's launches costs host time; eager
+  torch's single cuDNN/ATen call is the cheaper one. Each (op, size class) is
+  logged once at INFO and recorded in :func:`size_dispatch`, so a benchmark
+  can report which shapes took which path. ``TFUSE_BACKEND=triton`` (or
+  ``use_backend("triton")``) runs the kernels at every size;
+  ``TFUSE_SMALL_OP_ELEMENTS=0`` turns the rule off. CPU behaviour does not
+  depend on size.
 
 A request that cannot be served is an error, never a silent switch.
 """
@@ -25,7 +36,14 @@ from collections.abc import Iterator
 
 import torch
 
+from tfuse import _launch
+
+_log = logging.getLogger("tfuse")
+
 BACKEND_ENV_VAR = "TFUSE_BACKEND"
+SMALL_OP_ENV_VAR = "TFUSE_SMALL_OP_ELEMENTS"
+#: The default of :func:`small_op_elements`: a starting rule (see the module docstring), to be re-measured on GPUs.
+SMALL_OP_ELEMENTS = 32768
 
 
 class Backend(str, enum.Enum):
@@ -105,8 +123,64 @@ def interpreter_active() -> bool:
     return isinstance(kernels._add_fwd_kernel, InterpretedFunction)
 
 
-def select_backend(device: torch.device, op: str) -> Backend:
-    """The backend that runs ``op`` on tensors of ``device``.
+@functools.lru_cache(maxsize=16)
+def _parse_elements(value: str) -> int:
+    try:
+        elements = int(value.strip() or SMALL_OP_ELEMENTS)
+    except ValueError:
+        elements = -1
+    if elements < 0:
+        raise ValueError(f"{SMALL_OP_ENV_VAR}={value!r} must be a number of elements >= 0 (0 turns the rule off)")
+    return elements
+
+
+def small_op_elements() -> int:
+    """Below how many elements an op on CUDA tensors takes the PyTorch path in ``auto`` mode (0: never).
+
+    ``TFUSE_SMALL_OP_ELEMENTS`` when set, else :data:`SMALL_OP_ELEMENTS`.
+    """
+    return _parse_elements(os.environ.get(SMALL_OP_ENV_VAR, ""))
+
+
+#: (op, size class) -> the backend chosen by the size rule; see :func:`size_dispatch`.
+_size_choices: dict[tuple[str, int], Backend] = {}
+
+
+def size_dispatch() -> dict[tuple[str, int], str]:
+    """Which path the size rule sent each (op, size class) to so far: ``{(op, 2**k): "torch"|"triton"}``.
+
+    A size class ``2**k`` holds the calls with ``2**k <= elements < 2**(k+1)``.
+    """
+    return {key: backend.value for key, backend in sorted(_size_choices.items())}
+
+
+def _by_size(op: str, elements: int) -> Backend:
+    """The size rule for an op on CUDA tensors in auto mode; logs each (op, size class) once."""
+    threshold = small_op_elements()
+    backend = Backend.TORCH if elements < threshold else Backend.TRITON
+    key = (op, 1 << max(elements, 1).bit_length() - 1)
+    if key not in _size_choices:
+        _size_choices[key] = backend
+        if backend is Backend.TORCH:
+            _log.info(
+                "tfuse.%s: PyTorch path for CUDA tensors of %d to %d elements (fewer than %s=%d; "
+                "%s=triton runs the kernels at every size)",
+                op,
+                key[1],
+                2 * key[1] - 1,
+                SMALL_OP_ENV_VAR,
+                threshold,
+                BACKEND_ENV_VAR,
+            )
+    return backend
+
+
+def select_backend(device: torch.device, op: str, elements: int | None = None) -> Backend:
+    """The backend that runs ``op`` on tensors of ``device``; ``elements``: the op's size, for the size rule.
+
+    Ops that fuse elementwise work pass the elements of their largest
+    tensor; on CUDA in ``auto`` mode, fewer than :func:`small_op_elements`
+    take the PyTorch path (see the module docstring).
 
     Raises:
         RuntimeError: the Triton backend is forced but cannot run on ``device``.
@@ -114,6 +188,8 @@ def select_backend(device: torch.device, op: str) -> Backend:
     forced = requested_backend()
     if forced is Backend.TORCH:
         return Backend.TORCH
+    if _launch.simulated_gpu():  # a tool sizing grids as for a GPU (tfuse._launch.simulate_gpu)
+        return Backend.TRITON
     if not triton_available():
         if forced is Backend.TRITON:
             raise RuntimeError(
@@ -122,6 +198,8 @@ def select_backend(device: torch.device, op: str) -> Backend:
             )
         return Backend.TORCH
     if device.type == "cuda":
+        if forced is None and elements is not None:
+            return _by_size(op, elements)
         return Backend.TRITON
     interpreted = device.type == "cpu" and interpreter_active()
     if interpreted:

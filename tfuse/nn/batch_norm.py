@@ -161,9 +161,9 @@ class FusedBatchNormAct2d(_FusedBatchNormActMixin, nn.BatchNorm2d):
     ``FusedBatchNormAct2d(64, act="relu")`` for a ResNet's conv-bn-relu, and
     pass the skip path as ``residual`` for the end of a block.
 
-    Statistics are float32 whatever the input dtype; the whole op is 3
-    launches forward in training (1 in eval) and backward makes two passes
-    over the input. :meth:`from_batchnorm` converts a trained layer;
+    Statistics are float32 whatever the input dtype; the whole op is 2
+    launches forward in training (1 in eval) and 2 backward (1 when x needs
+    no gradient, and in eval). :meth:`from_batchnorm` converts a trained layer;
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` turns the layer into a
     :class:`FusedSyncBatchNormAct` (activation and residual kept); under
     ``torch.fx`` the layer is traced as a leaf (one ``call_module`` node), as

@@ -51,13 +51,14 @@ def is_traced(tensor: torch.Tensor | None) -> bool:
     return torch._subclasses.fake_tensor.is_fake(tensor)
 
 
-def op_backend(device: torch.device, op: str, probe: torch.Tensor) -> Backend:
-    """The backend an op body takes for tensors like ``probe`` on ``device``.
+def op_backend(device: torch.device, op: str, probe: torch.Tensor, elements: int | None = None) -> Backend:
+    """The backend an op body takes for tensors like ``probe`` on ``device`` (``elements``: the op's size).
 
-    tfuse's rules (:func:`tfuse.select_backend`) for real tensors; the
-    PyTorch path for a traced call (see the module docstring).
+    tfuse's rules (:func:`tfuse.select_backend`, with the size rule on
+    ``elements``, ``probe``'s by default) for real tensors; the PyTorch path
+    for a traced call (see the module docstring).
     """
-    backend = select_backend(device, op)
+    backend = select_backend(device, op, probe.numel() if elements is None else elements)
     if backend is Backend.TRITON and is_traced(probe):
         return Backend.TORCH
     return backend

@@ -60,7 +60,7 @@ def add(*tensors: torch.Tensor) -> torch.Tensor:
     dtype = promote_float_dtypes(tensors)
     if compiling():
         return torch.ops.tfuse.add(list(tensors))
-    backend = select_backend(device, "add")
+    backend = select_backend(device, "add", shape.numel())
     log_backend_once(_log, "add", backend, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _AddFunction.apply(backend, shape, dtype, *tensors)
@@ -148,7 +148,8 @@ def _add_op(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.ops.tfuse.add``: :func:`add` as a registered op (arguments checked by the caller)."""
     device = tensors[0].device
     shape = broadcast_shape("add", [t.shape for t in tensors])
-    return add_forward(tensors, shape, promote_float_dtypes(tensors), op_backend(device, "add", tensors[0]))
+    backend = op_backend(device, "add", tensors[0], shape.numel())
+    return add_forward(tensors, shape, promote_float_dtypes(tensors), backend)
 
 
 def _add_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

@@ -157,7 +157,7 @@ def add_act(
         _check_inplace(act, negative_slope, tensors, dtype)
     if compiling():
         return _add_act_traced(tensors, act, negative_slope, inplace)
-    backend = select_backend(device, "add_act")
+    backend = select_backend(device, "add_act", x.numel())
     log_backend_once(_log, "add_act", backend, device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -178,7 +178,7 @@ def linear_epilogue(
     tensors = (product,) if bias is None else (product, bias)
     if compiling():
         return _add_act_traced(tensors, act, negative_slope, inplace)
-    backend = select_backend(product.device, "add_act")
+    backend = select_backend(product.device, "add_act", product.numel())
     log_backend_once(_log, "add_act", backend, product.device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

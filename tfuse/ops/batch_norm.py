@@ -1,10 +1,12 @@
 """``batch_norm_act``: batch norm (+ residual) + activation, fused (kernels/batch_norm.py).
 
-Launches: training forward 3 (partial statistics, their merge with the
-running-statistics update, the normalise + residual + activation pass); eval
-forward 1. Training backward 3 (a reducing pass that also writes d(residual),
-a small merge, the dx pass; 2 when x needs no gradient, 1 when neither x nor
-weight/bias do); eval backward 1, or 2 with weight/bias gradients.
+Launches: training forward 2 (the statistics, whose partials the last
+program of each column group merges into the table with the
+running-statistics update; the normalise + residual + activation pass); eval
+forward 1. Training backward 2 (a reducing pass that also writes d(residual)
+and whose last programs merge d(weight), d(bias) and the dx coefficients;
+the dx pass), 1 when x needs no gradient; eval backward 1. No merge has a
+launch of its own: see kernels/batch_norm.py ("last program merges").
 
 Layouts: x is read in place when it is NCHW-contiguous or channels_last (for
 1-D/3-D inputs: contiguous, or channels innermost); any other layout is
@@ -15,6 +17,20 @@ Host cost: everything that depends only on shapes, strides, dtypes and flags
 (tiling, grids, compile-time switches, the reduction grid sized from the
 compiled kernel's occupancy) is computed once and cached; a call allocates
 the outputs and one float32 scratch buffer per pass and launches.
+
+Arrival counters: each merging reduction (the statistics; the backward sums
+when weight, bias or x need gradients) counts its programs' arrivals in
+int32 counters of its own, one per column group and one per block of chunks
+(``groups * (1 + blocks)``), held by its plan: allocated zeroed once, when
+the plan is built. Every launch leaves them 0, so nothing clears them
+between calls or CUDA graph replays, and a replay allocates nothing.
+Launches of one plan must therefore not overlap on the device (as launches
+on one stream never do); concurrent streams running the same shapes would
+need plans of their own. Plans dropped from the cache give their counters
+to later plans (a captured graph may still point at them). The merge costs
+no launch and no pass: the partials are read once, as a separate merge
+kernel read them, plus each block's partial once more when a group's chunks
+are merged in two levels; each program adds one or two atomics.
 
 Statistics are float32 (float64 for float64 inputs). Saved for backward:
 x, weight and bias, plus the output y for activations whose derivative
@@ -34,10 +50,9 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from tfuse import _launch, kernels
+from tfuse import kernels
 from tfuse._backend import Backend, log_backend_once, select_backend
 from tfuse._kit import (
-    NUM_WARPS,
     acc_dtype,
     acc_fp64,
     emulate_bf16_rtne,
@@ -46,7 +61,7 @@ from tfuse._kit import (
     num_warps,
     split_float,
 )
-from tfuse._launch import launch, launch_cached, resident_programs, target_programs
+from tfuse._launch import LaunchPlan, resident_programs, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation
 from tfuse.ops._checks import check_float_dtype
@@ -66,6 +81,10 @@ MAX_STEPS = 8
 ELEMENTWISE_PROGRAMS_PER_SM = 32
 #: Cached plans (one per shape, strides, dtypes and flags) kept before the cache starts over.
 MAX_PLANS = 1024
+#: Elements of the [chunks, channels] tile the merging programs of a reduction merge partials with (a step).
+MERGE_TILE = 512
+#: Merge steps up to which a reduction merges its chunks in one level (one block); more take two.
+ONE_LEVEL_STEPS = 4
 
 _log = logging.getLogger(__name__)
 
@@ -124,22 +143,22 @@ def batch_norm_act(
         RuntimeError: eval without running statistics, mixed parameter
             dtypes, tensors on different devices.
     """
-    act, negative_slope = check_activation("batch_norm_act", act, negative_slope, strict=True)
-    for name, value in (("momentum", momentum), ("eps", eps)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            hint = ""
-            if name == "momentum" and value is None:
-                hint = (
-                    " (momentum=None, a cumulative moving average, is the modules' option: "
-                    "they pass 1 / num_batches_tracked)"
-                )
-            raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}{hint}")
-    channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training, float(eps))
+    key = _call_key(x, running_mean, running_var, weight, bias, residual, training, momentum, eps, act, negative_slope)
+    checked = _checked_calls.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_call(
+            x, running_mean, running_var, weight, bias, residual, training, momentum, eps, act, negative_slope
+        )
+        if key is not None:
+            if len(_checked_calls) >= MAX_PLANS:
+                _checked_calls.clear()
+            _checked_calls[key] = checked
+    act, negative_slope, channels = checked
     if compiling():
         return _batch_norm_act_traced(
             x, running_mean, running_var, weight, bias, training, momentum, eps, act, negative_slope, residual
         )
-    backend = select_backend(x.device, "batch_norm_act")
+    backend = select_backend(x.device, "batch_norm_act", x.numel())
     log_backend_once(_log, "batch_norm_act", backend, x.device)
     if backend is Backend.TORCH:
         return _batch_norm_act_torch(
@@ -216,6 +235,47 @@ def _batch_norm_act_triton(
 
 
 _PER_CHANNEL = ("running_mean", "running_var", "weight", "bias")
+
+#: Calls whose arguments passed the checks, by :func:`_call_key` -> (activation, slope, channels).
+_checked_calls: dict[tuple, tuple[Activation, float, int]] = {}
+
+
+def _tensor_key(t) -> tuple | None:
+    """What the checks read of a tensor argument: dtype, shape, device (None for None; a non-tensor raises)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError  # not cacheable: the checks run and say what is wrong
+    return (t.dtype, t.shape, t.device)
+
+
+def _call_key(x, running_mean, running_var, weight, bias, residual, training, momentum, eps, act, negative_slope):
+    """Everything the argument checks depend on, or None when an argument is not a tensor (checked every call).
+
+    The lean path: a layer calls with the same shapes, dtypes and flags step
+    after step, so the checks run once per such call and a repeat costs this key.
+    """
+    try:
+        tensors = tuple(map(_tensor_key, (x, running_mean, running_var, weight, bias, residual)))
+        return (*tensors, bool(training), type(momentum), type(eps), eps, act, negative_slope)
+    except TypeError:  # a non-tensor argument, or an unhashable act/slope/eps: no caching
+        return None
+
+
+def _check_call(x, running_mean, running_var, weight, bias, residual, training, momentum, eps, act, negative_slope):
+    """All argument checks of :func:`batch_norm_act`; returns (activation, slope, channels)."""
+    act, negative_slope = check_activation("batch_norm_act", act, negative_slope, strict=True)
+    for name, value in (("momentum", momentum), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            hint = ""
+            if name == "momentum" and value is None:
+                hint = (
+                    " (momentum=None, a cumulative moving average, is the modules' option: "
+                    "they pass 1 / num_batches_tracked)"
+                )
+            raise TypeError(f"tfuse.batch_norm_act: {name} must be a number, got {type(value).__name__}{hint}")
+    channels = _check_inputs(x, running_mean, running_var, weight, bias, residual, training, float(eps))
+    return act, negative_slope, channels
 
 
 def _check_inputs(x, running_mean, running_var, weight, bias, residual, training, eps: float) -> int:
@@ -369,6 +429,19 @@ class _BatchNormSpec:
         """Backward needs no pre-activation: act' follows from the output y, or needs nothing (identity)."""
         return self.act.grad_source(self.negative_slope) is not GradSource.INPUT
 
+    @functools.cached_property
+    def eps_split(self) -> tuple[float, float]:
+        """``split_float(eps)``, the kernels' two-float form, computed once per spec."""
+        return split_float(self.eps)
+
+    @functools.cached_property
+    def momentum_split(self) -> tuple[float, float]:
+        return split_float(self.momentum)
+
+    @functools.cached_property
+    def slope_split(self) -> tuple[float, float]:
+        return split_float(self.negative_slope)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
@@ -413,6 +486,12 @@ class _Geometry:
             INDEX_64=self.index_64,
             num_warps=num_warps(self.red_bn * self.red_bl, ELEMENTS_PER_THREAD),
         )
+
+    def merge_meta(self) -> dict:
+        """The merge tile of a reduction's last programs: MC channels (a column group's) x MK chunks."""
+        channels = self.red_bl if self.seg == _SEG_LANE else self.cb_pad if self.seg == _SEG_PACKED else 1
+        row_steps = -(-self.n_rows // self.red_bn)  # chunks, at most
+        return dict(MC=channels, MK=max(1, min(next_power_of_2(row_steps), MERGE_TILE // channels)))
 
     def elementwise_meta(self) -> dict:
         return dict(
@@ -541,33 +620,85 @@ def _geometry(shape: tuple[int, ...], layout: int, itemsize: int, elementwise_ta
     )
 
 
-def _final_blocks(channels: int, chunks: int) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_C) of a final merge: enough channel blocks to spread over SMs, big tiles down the chunks."""
-    block_c = min(next_power_of_2(channels), max(8, next_power_of_2(channels // 64 + 1) // 2))
-    block_k = max(1, min(next_power_of_2(chunks), 1024 // block_c))
-    return block_k, block_c
-
-
 @dataclasses.dataclass
 class _Launch:
-    """A prepared launch: grid, the integer arguments after the tensors, and the meta-parameters.
+    """One launch of a plan: grid, the integer arguments after the tensors, and the meta-parameters.
 
     Plans are keyed on everything that decides the kernel's specialisation, so
-    each _Launch repeats one compiled kernel: ``cache`` lets
-    :func:`tfuse._launch.launch_cached` relaunch it without Triton's per-call binding.
+    each _Launch repeats one compiled kernel: :func:`tfuse._launch.launch`
+    prepares it at the first call and relaunches it without Triton's per-call binding.
     """
 
     kernel: object
     grid: tuple[int, ...]
     ints: tuple
     meta: dict
-    cache: dict = dataclasses.field(default_factory=dict)
+    plan: LaunchPlan | None = None
 
     def __call__(self, args: tuple, device: torch.device) -> None:
-        if device.type == "cuda" and launch is _launch.launch:  # not when a tool has replaced ``launch``
-            launch_cached(self.kernel, self.grid, args, self.meta, device, self.cache)
-        else:
-            launch(self.kernel, self.grid, args, self.meta, device)
+        if self.plan is None:
+            self.plan = LaunchPlan(self.kernel, self.grid, self.meta)
+        self.plan(args, device)
+
+
+class _Counters:
+    """The arrival counters of a merging reduction (int32, 0 between launches): per column group, one for the
+    group and one per block of chunks (kernels/batch_norm.py).
+
+    ``pending``: allocated while the current CUDA stream was capturing a graph,
+    whose zero fill then runs on replay only; until a fill has run outside a
+    capture, each use fills them again (captured where capturing).
+    """
+
+    __slots__ = ("pending", "tensor")
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.pending = _capturing(device)
+        self.tensor = torch.zeros(size, dtype=torch.int32, device=device)
+
+    def ready(self) -> torch.Tensor:
+        """The counters, all 0 when the launch that takes them runs."""
+        if self.pending:
+            self.tensor.zero_()
+            self.pending = _capturing(self.tensor.device)
+        return self.tensor
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+#: (device, size) -> counters of plans dropped from the cache, for new plans to take over. Never freed: a
+#: captured CUDA graph may still launch with them; every launch leaves them 0, so sharing them is safe.
+_spare_counters: dict = {}
+
+
+def _counters(size: int, device: torch.device) -> _Counters:
+    spare = _spare_counters.get((device, size))
+    return spare.pop() if spare else _Counters(size, device)
+
+
+def _chunks_per_block(chunks: int, per_step: int) -> int:
+    """Chunks per block of a reduction's two-level merge (kernels/batch_norm.py): the fewest merge steps of
+    ``per_step`` items, over the block merge and the merge of the blocks. One block (the chunks merged in one
+    level, as a separate merge kernel did) up to :data:`ONE_LEVEL_STEPS` steps."""
+    if chunks <= ONE_LEVEL_STEPS * per_step:
+        return chunks
+    best = None
+    for block in range(per_step, chunks + per_step, per_step):
+        block = min(block, chunks)
+        blocks = -(-chunks // block)
+        steps = -(-block // per_step) + -(-blocks // per_step)
+        if best is None or steps < best[0]:
+            best = (steps, block)
+    return best[1]
+
+
+def _merge_layout(geometry, chunks: int) -> tuple[int, int, int]:
+    """(chunks per block, blocks, counters) of a merging reduction of ``chunks`` chunks per column group."""
+    per_block = _chunks_per_block(chunks, geometry.merge_meta()["MK"])
+    blocks = -(-chunks // per_block)
+    return per_block, blocks, geometry.groups * (1 + blocks)
 
 
 @dataclasses.dataclass
@@ -576,8 +707,8 @@ class _ForwardPlan:
     acc_dtype: torch.dtype
     buf_size: int
     stats: _Launch | None
-    final: _Launch | None
     normalise: _Launch
+    counters: _Counters | None  # the statistics' arrival counters (training)
     backward: dict = dataclasses.field(default_factory=dict)  # (needs_input_grad, dy dtype) -> _BackwardPlan
 
 
@@ -586,20 +717,39 @@ class _BackwardPlan:
     acc_dtype: torch.dtype
     buf_size: int
     reduce: _Launch
-    final: _Launch | None
     dx: _Launch | None
     from_dz: bool
+    counters: _Counters | None  # the reduction's arrival counters (when it merges)
 
 
 #: (shapes, strides, dtypes, device, flags) -> _ForwardPlan; each forward plan holds its backward plans.
 _forward_plans: dict = {}
 
 
+def _drop_plans() -> None:
+    """Empties the plan cache; the plans' counters go to :data:`_spare_counters`."""
+    for plan in _forward_plans.values():
+        for counters in (plan.counters, *(backward.counters for backward in plan.backward.values())):
+            if counters is not None:
+                tensor = counters.tensor
+                _spare_counters.setdefault((tensor.device, tensor.numel()), []).append(counters)
+    _forward_plans.clear()
+
+
+#: An int32 tensor per device standing in for arrival counters where a kernel is compiled to ask its occupancy.
+_counter_stand_ins: dict = {}
+
+
+def _counter_stand_in(device: torch.device) -> torch.Tensor:
+    stand_in = _counter_stand_ins.get(device)
+    if stand_in is None:
+        stand_in = _counter_stand_ins[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return stand_in
+
+
 def _resident(kernel, args: tuple, meta: dict, device: torch.device) -> int:
     """Programs of a reduction grid: as many as the device runs at once (from the compiled kernel on a GPU)."""
-    if device.type == "cuda":
-        return resident_programs(kernel, args, meta, device)
-    return target_programs(device)
+    return resident_programs(kernel, args, meta, device)
 
 
 def _out_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
@@ -627,38 +777,47 @@ def _forward_plan(spec: _BatchNormSpec, x, residual, weight, running_mean, runni
         ),
     )
     if not spec.use_batch_stats:
-        return _ForwardPlan(geometry, acc, 0, None, None, normalise)
-    stats_meta = dict(ACC_FP64=acc_fp64(acc), **geometry.reduce_meta())
+        return _ForwardPlan(geometry, acc, 0, None, normalise, None)
+    stats_meta = dict(
+        UPDATE_RUNNING=spec.update_running,
+        AFFINE=affine,
+        ACC_FP64=acc_fp64(acc),
+        **geometry.reduce_meta(),
+        **geometry.merge_meta(),
+    )
     placeholder = torch.empty(16, dtype=acc, device=x.device)
     resident = _resident(
         kernels._bn_stats_partial_kernel,
-        (x, placeholder, geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, 1),
+        (
+            x,
+            placeholder,
+            running_mean if spec.update_running else placeholder,
+            running_var if spec.update_running else placeholder,
+            weight if affine else placeholder,
+            weight if affine else placeholder,  # bias: weight's dtype, as the checks ensure
+            _counter_stand_in(x.device),
+            geometry.n_rows,
+            geometry.n_cols,
+            geometry.ss,
+            geometry.group_width,
+            1,
+            1,
+            *spec.eps_split,
+            *spec.momentum_split,
+        ),
         stats_meta,
         x.device,
     )
     chunks, rows_per_chunk = geometry.chunks(resident)
-    block_k, block_c = _final_blocks(geometry.channels, chunks)
+    per_block, blocks, n_counters = _merge_layout(geometry, chunks)
     stats = _Launch(
         kernels._bn_stats_partial_kernel,
         (geometry.groups, chunks),
-        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk, per_block),
         stats_meta,
     )
-    final = _Launch(
-        kernels._bn_stats_final_kernel,
-        (-(-geometry.channels // block_c),),
-        (geometry.channels, chunks, rows_per_chunk, geometry.n_rows, geometry.ss),
-        dict(
-            UPDATE_RUNNING=spec.update_running,
-            AFFINE=affine,
-            BLOCK_K=block_k,
-            BLOCK_C=block_c,
-            ACC_FP64=acc_fp64(acc),
-            num_warps=NUM_WARPS,
-        ),
-    )
-    buf_size = (4 + 2 * chunks) * geometry.channels
-    return _ForwardPlan(geometry, acc, buf_size, stats, final, normalise)
+    buf_size = (4 + 2 * chunks + 2 * blocks) * geometry.channels
+    return _ForwardPlan(geometry, acc, buf_size, stats, normalise, _counters(n_counters, x.device))
 
 
 def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var) -> _ForwardPlan:
@@ -678,7 +837,7 @@ def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= MAX_PLANS:  # many shapes (varying batch or image sizes): start over
-            _forward_plans.clear()
+            _drop_plans()
         plan = _forward_plans[key] = _forward_plan(spec, x, residual, weight, running_mean, running_var)
     return plan
 
@@ -694,23 +853,24 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
     normalise = plan.normalise
     if spec.use_batch_stats:
         buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=device)
-        plan.stats((x, buf, *plan.stats.ints), device)
         update = spec.update_running
-        plan.final(
+        plan.stats(
             (
+                x,
                 buf,
                 running_mean if update else buf,
                 running_var if update else buf,
                 weight if weight is not None else buf,
                 bias if bias is not None else buf,
-                *plan.final.ints,
-                *split_float(spec.eps),
-                *split_float(spec.momentum),
+                plan.counters.ready(),
+                *plan.stats.ints,
+                *spec.eps_split,
+                *spec.momentum_split,
             ),
             device,
         )
         normalise(
-            (x, res, y, buf, buf, buf, buf, *normalise.ints, *split_float(spec.eps), *split_float(spec.negative_slope)),
+            (x, res, y, buf, buf, buf, buf, *normalise.ints, *spec.eps_split, *spec.slope_split),
             device,
         )
         return y, buf, plan
@@ -724,8 +884,8 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
             weight if weight is not None else running_mean,
             bias if bias is not None else running_mean,
             *normalise.ints,
-            *split_float(spec.eps),
-            *split_float(spec.negative_slope),
+            *spec.eps_split,
+            *spec.slope_split,
         ),
         device,
     )
@@ -744,13 +904,20 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
         EMULATE_BF16_RTNE=emulate_bf16_rtne(),
         ACC_FP64=acc_fp64(acc),
     )
+    needs_pass_2 = not eval_mode and need_x
+    merge = need_weight or need_bias or needs_pass_2
     reduce_meta = dict(
         FROM_RUNNING=eval_mode,
         AFFINE=affine,
         WRITE_DX=eval_mode and need_x,
         WRITE_DRES=need_res,
+        MERGE=merge,
+        WRITE_DWEIGHT=need_weight,
+        WRITE_DBIAS=need_bias,
+        WRITE_COEF=needs_pass_2,
         **flags,
         **geometry.reduce_meta(),
+        **geometry.merge_meta(),
     )
     placeholder = torch.empty(16, dtype=acc, device=x.device)
     dx_like = x if need_x else placeholder
@@ -768,45 +935,32 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
             placeholder,
             dx_like,
             dres_like,
+            weight if need_weight else placeholder,
+            bias if need_bias else placeholder,
+            _counter_stand_in(x.device),
             geometry.n_rows,
             geometry.n_cols,
             geometry.ss,
             geometry.group_width,
             1,
-            *split_float(spec.eps),
-            *split_float(spec.negative_slope),
+            1,
+            *spec.eps_split,
+            *spec.slope_split,
         ),
         reduce_meta,
         x.device,
     )
     chunks, rows_per_chunk = geometry.chunks(resident)
+    per_block, blocks, n_counters = _merge_layout(geometry, chunks)
     reduce = _Launch(
         kernels._bn_act_bwd_reduce_kernel,
         (geometry.groups, chunks),
-        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk),
+        (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.group_width, rows_per_chunk, per_block),
         reduce_meta,
     )
-    needs_pass_2 = not eval_mode and need_x
     # The dx pass reads dy' back from d(residual) (one tensor instead of dy and
     # y or the residual) when the first pass wrote it at x's precision or better.
     from_dz = need_res and (dres_dtype == x.dtype or torch.finfo(dres_dtype).bits >= 32)
-    final = None
-    if need_weight or need_bias or needs_pass_2:
-        block_k, block_c = _final_blocks(geometry.channels, chunks)
-        final = _Launch(
-            kernels._bn_bwd_final_kernel,
-            (-(-geometry.channels // block_c),),
-            (geometry.channels, chunks, geometry.n_rows * geometry.ss),
-            dict(
-                WRITE_DWEIGHT=need_weight,
-                WRITE_DBIAS=need_bias,
-                WRITE_COEF=needs_pass_2,
-                BLOCK_K=block_k,
-                BLOCK_C=block_c,
-                ACC_FP64=acc_fp64(acc),
-                num_warps=NUM_WARPS,
-            ),
-        )
     dx = None
     if needs_pass_2:
         dx = _Launch(
@@ -815,7 +969,8 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
             (geometry.n_rows, geometry.n_cols, geometry.ss, geometry.ew_rows_per_chunk),
             dict(WRITE_DX=True, WRITE_DRES=False, FROM_DZ=from_dz, **flags, **geometry.elementwise_meta()),
         )
-    return _BackwardPlan(acc, (5 + 2 * chunks) * geometry.channels, reduce, final, dx, from_dz)
+    buf_size = (5 + 2 * chunks + 2 * blocks) * geometry.channels
+    return _BackwardPlan(acc, buf_size, reduce, dx, from_dz, _counters(n_counters, x.device) if merge else None)
 
 
 class _BatchNormActFunction(torch.autograd.Function):
@@ -901,23 +1056,15 @@ def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, run
             buf,
             dx if dx is not None else placeholder,
             dres if dres is not None else placeholder,
+            dweight if need_weight else placeholder,
+            dbias if need_bias else placeholder,
+            bwd.counters.ready() if bwd.counters is not None else _counter_stand_in(device),
             *bwd.reduce.ints,
-            *split_float(spec.eps),
-            *split_float(spec.negative_slope),
+            *spec.eps_split,
+            *spec.slope_split,
         ),
         device,
     )
-    if bwd.final is not None:
-        bwd.final(
-            (
-                buf,
-                table,
-                dweight if need_weight else placeholder,
-                dbias if need_bias else placeholder,
-                *bwd.final.ints,
-            ),
-            device,
-        )
     if bwd.dx is not None:
         bwd.dx(
             (
@@ -928,7 +1075,7 @@ def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, run
                 dx,
                 placeholder,
                 *bwd.dx.ints,
-                *split_float(spec.negative_slope),
+                *spec.slope_split,
             ),
             device,
         )

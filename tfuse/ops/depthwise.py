@@ -196,7 +196,7 @@ def depthwise_backend(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[in
     shape classes of :data:`EAGER_SHAPE_CLASSES`, and says so once per class
     in the log; the Triton kernels serve the rest.
     """
-    backend = select_backend(x.device, _OP)
+    backend = select_backend(x.device, _OP, x.numel())
     if backend is Backend.TRITON and x.device.type == "cuda" and requested_backend() is None:
         key = shape_class(x, kernel, stride)
         reason = eager_reason(key)
