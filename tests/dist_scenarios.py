@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_helpers import run_named
 
@@ -101,6 +102,22 @@ def bucket_indices(model: FusedDataParallel, calls: list[tuple[int, int]]) -> li
     return [starts.get(call, -1) for call in calls]
 
 
+class CountedOps(TorchDispatchMode):
+    """Counts the named aten ops run inside (e.g. during a backward)."""
+
+    NAMES = ("copy_", "div_", "zero_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(self.NAMES, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 # --------------------------------------------------------------------------- scenarios
 
 
@@ -126,12 +143,13 @@ def train(rank: int, world: int, optimizer: str = "sgd") -> dict:
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (wrapped, reference, ddp)]
     logger.removeHandler(handler)
     initial = params_of(wrapped)
-    issued, grads_in_buffers = [], True
+    issued, grads_in_buffers, backward_ops = [], True, []
     for batch in global_batches(world, STEPS):
         for opt in optimizers:
             opt.zero_grad()
-        with recorded_all_reduces() as calls:
+        with recorded_all_reduces() as calls, CountedOps() as ops:
             loss_of(wrapped, shard(batch, rank)).backward()
+        backward_ops.append(ops.counts)
         issued.append(bucket_indices(wrapped, calls))
         grads_in_buffers &= all(flat_params_of(p) is wrapped.flat and p.grad.data_ptr() == wrapped.flat.grad_view(p).data_ptr()
                                 for p in wrapped.parameters())
@@ -145,7 +163,7 @@ def train(rank: int, world: int, optimizer: str = "sgd") -> dict:
         "issued": issued, "n_buckets": len(wrapped.buckets), "num_allreduce_calls": wrapped.num_allreduce_calls,
         "num_grad_tensors": wrapped.num_grad_tensors, "grads_in_buffers": grads_in_buffers,
         "optimizer_shares_flat": optimizer != "fused_adam" or all(flat_params_of(p) is wrapped.flat for p in model.parameters()),
-        "log": records, "synchronized": wrapped.gradients_synchronized,
+        "log": records, "synchronized": wrapped.gradients_synchronized, "backward_ops": backward_ops,
     }
 
 

@@ -77,6 +77,14 @@ def test_training_matches_one_process_on_the_whole_batch_and_ddp(world, name):
         assert_all_close(result["fdp"], ranks[0]["fdp"], rtol=0, atol=0)  # replicas stay bit-identical
         assert result["fdp"][0].ne(result["initial"][0]).any()  # it trained
         assert result["grads_in_buffers"] and result["optimizer_shares_flat"] and result["synchronized"]
+        # The lean gradient path: autograd accumulates into the buckets (no copy), averaging is one division
+        # per bucket. zero_grad: the fused optimizer's fills the buffer; torch.optim's sets grads to None
+        # only, so backward fills the (then stale) buffer once, at the first gradient, before adding into it.
+        fills = 0 if name == "train_fused_adam" else 1
+        assert result["backward_ops"] == [
+            {"copy_": 0, "div_": result["n_buckets"], "zero_": 0 if step == 0 else fills}
+            for step in range(len(result["backward_ops"]))
+        ]
 
 
 def test_one_all_reduce_per_bucket_in_bucket_order_and_the_fusion_log_line(world):

@@ -127,7 +127,9 @@ def test_a_parameter_leads_to_its_flat_params_and_nothing_keeps_it_alive(device)
         flat_params_of("weight")
 
 
-def test_the_grad_receiver_gets_each_gradient_and_passes_the_divisor(device):
+def test_the_grad_receiver_gets_each_gradient_already_in_the_buffer(device):
+    # Gradients accumulate in place into the flat buffer (the views are attached before autograd
+    # accumulates), so the receiver finds each one home already; a gradient set by hand is brought in.
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(device)
     reference = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(device)
     reference.load_state_dict(model.state_dict())
@@ -135,26 +137,34 @@ def test_the_grad_receiver_gets_each_gradient_and_passes_the_divisor(device):
     received = []
 
     def receiver(param):
-        received.append((param, flat.bring_home(param, 4.0)))
+        home = param.grad is not None and param.grad.data_ptr() == flat.grad_view(param).data_ptr()
+        received.append((param, home, flat.bring_home(param)))
 
     flat.set_grad_receiver(receiver)
     assert flat.grad_receiver is receiver
     x = torch.randn(5, 4, device=device)
     model(x).sum().backward()
     reference(x).sum().backward()
-    assert {id(p) for p, _ in received} == {id(p) for p in model.parameters()}
-    assert all(divided for _, divided in received)  # fresh gradients: divided on the way in
+    assert {id(p) for p, _, _ in received} == {id(p) for p in model.parameters()}
+    assert all(home and brought for _, home, brought in received)  # accumulated in place: nothing to copy
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert mine.grad.data_ptr() == flat.grad_view(mine).data_ptr()
-        torch.testing.assert_close(mine.grad, theirs.grad / 4.0)
+        torch.testing.assert_close(mine.grad, theirs.grad)
     received.clear()
-    model(x).sum().backward()  # accumulates in place into the views: nothing divided
-    assert received and not any(divided for _, divided in received)
+    hand_set = model[0].weight
+    once = reference[0].weight.grad.clone()
+    hand_set.grad = torch.full_like(hand_set, 2.0)  # set by hand: autograd accumulates into it, outside the buffer
+    model(x).sum().backward()
+    assert [(home, brought) for p, home, brought in received if p is hand_set] == [(False, True)]
+    assert hand_set.grad.data_ptr() == flat.grad_view(hand_set).data_ptr()  # brought in by bring_home
+    torch.testing.assert_close(hand_set.grad, once + 2.0)
     flat.set_grad_receiver(None)
+    received.clear()
     model.zero_grad()
     model(x).sum().backward()
     reference.zero_grad()
     reference(x).sum().backward()
+    assert not received
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad)
 

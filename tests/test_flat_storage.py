@@ -290,7 +290,7 @@ def test_replacements_the_flat_buffers_cannot_follow_raise_before_any_update(how
         change(model, device)
         after_change = [p.detach().clone() for p in model.parameters()]
         x = inputs(device, model.conv.weight.dtype).contiguous(memory_format=torch.preserve_format)
-        with pytest.raises(RuntimeError, match=message):  # from backward: our message, not an unrelated dtype error
+        with pytest.raises(RuntimeError, match=message):  # from zero_grad or backward: our message, not an unrelated dtype error
             fused.zero_grad()
             model(x).pow(2).mean().backward()
         with pytest.raises(RuntimeError, match=message):  # and from the step, whatever backward did

@@ -5,8 +5,9 @@ one contiguous buffer, every parameter starting on an aligned offset, and
 re-homes each ``param.data`` as a view into it (values unchanged, the
 Parameter objects the same, so modules and optimizers keep working). Each
 trainable parameter gets a gradient that is a view into a matching flat
-gradient buffer, so autograd accumulates straight into it; one kernel can
-then update a whole buffer and one all-reduce can move a whole bucket.
+gradient buffer, so autograd accumulates straight into it (see "How
+gradients come to live in the buffer" below); one kernel can then update a
+whole buffer and one all-reduce can move a whole bucket.
 
 Parameters and gradients share one layout: trainable parameters first, in
 reverse registration order (the order gradients become ready in backward),
@@ -43,23 +44,75 @@ Elementwise updates over a slot then pair each element of the parameter
 with the same element of its gradient and of any state kept in the same
 layout.
 
-How gradients come to live in the buffer: a post-accumulate-grad hook on
-every trainable parameter runs in backward once autograd has accumulated the
-parameter's gradient. If ``param.grad`` is then not the parameter's view of
-the flat buffer (it was None, so autograd stole its freshly computed
-gradient, or a gradient was set by hand), :meth:`FlatParams.bring_home`
-copies it into the view, dividing it on the way by the divisor it is given
-(a data-parallel reducer, installed with :meth:`FlatParams.set_grad_receiver`,
-passes the averaging divisor of the pass, so averaging costs no extra pass),
-and makes the view ``param.grad``. Once
-``param.grad`` is the view, later backward passes accumulate into it in
-place. One copy replaces what attaching a zeroed view before accumulation
-would cost (a zeroing pass and a read-add-write pass), so
-``zero_grad(set_to_none=True)`` does not touch the buffers at all: a slot
-whose parameter has ``grad is None`` holds stale values until the parameter
-gets a gradient again (read gradients through ``param.grad``, or use
-``zero_grad(set_to_none=False)`` to zero the buffers). Parameters that take
-no part in a backward keep ``grad is None``, exactly as in torch.
+How gradients come to live in the buffer: autograd accumulates them there,
+in place, and nothing is copied. Each trainable parameter's AccumulateGrad
+node (the autograd node that writes ``param.grad``) is kept alive by the
+FlatParams, so autograd uses the same node in every backward, and carries
+one pre-hook. Just before autograd accumulates a gradient, the pre-hook
+finds ``param.grad is None`` (after ``zero_grad(set_to_none=True)``, or never
+set) and makes the parameter's view of the flat gradient buffer, zeroed,
+its ``.grad``; AccumulateGrad then adds the new gradient into it in place
+(``grad += new``, its rule when ``.grad`` exists and grad mode is off) and
+keeps no fresh tensor. ``zero_grad`` fills each gradient buffer with zeros
+(one op per buffer, whichever ``set_to_none``); ``set_to_none=True`` also sets
+every ``param.grad`` to None (attribute writes, no op). So in steady state a
+step runs no op per parameter on the gradient path besides autograd's own
+accumulation. The decisions behind it:
+
+* ``param.grad is None`` means what it means in torch. After
+  ``zero_grad(set_to_none=True)`` every gradient is None; a parameter that
+  gets no gradient in a backward keeps None (its pre-hook never runs), so
+  fused optimizers skip it as torch's do (no momentum, no weight decay, no
+  state created), where a zero gradient would have been updated.
+  ``torch.autograd.grad`` runs no AccumulateGrad node and so no pre-hook:
+  every ``.grad`` stays as it was (a tensor hook, ``param.register_hook``,
+  would also run there, which is why the hook sits on the node).
+  ``zero_grad(set_to_none=False)`` keeps the views of parameters that have a
+  gradient, as zeros; several backward passes without ``zero_grad``
+  accumulate in place, as in torch.
+* A slot is handed to autograd only when it is known to hold zeros: the
+  FlatParams keeps one flag per parameter, set by the fill of ``zero_grad``
+  and cleared whenever the slot is handed out (attached as ``.grad``,
+  :meth:`FlatParams.grad_view`, :attr:`FlatParams.grad_buffers`, a copy into
+  it, or :meth:`FlatParams.note_written` from code that writes whole buffers
+  or buckets, like a collective). A gradient set to None by someone else
+  (``model.zero_grad()``, a ``torch.optim`` optimizer, ``p.grad = None``)
+  leaves its slot with old values: the pre-hook zeroes it first, the whole
+  buffer at once (one fill) when no parameter of the buffer has a gradient
+  any more, else the slot alone. (A gradient tensor kept from before
+  ``zero_grad`` is the slot: it reads zeros afterwards, and writing into it
+  writes into the next gradient, as with DDP's ``gradient_as_bucket_view``.)
+* ``backward(create_graph=True)`` runs with grad mode on, where
+  AccumulateGrad adds out of place and the gradient keeps its graph: the
+  pre-hook attaches nothing then, and the gradient lives outside the buffer
+  until :meth:`FlatParams.sync_grads` (which fused optimizers call at each
+  step) copies it in. So does a gradient set by hand (``param.grad =
+  tensor``, which autograd accumulates into, as in torch). A sparse gradient
+  is refused (it cannot live in a flat buffer).
+* Keeping the AccumulateGrad nodes alive ties them to the parameters as
+  coalesced: a parameter whose ``.data`` is replaced by one of another dtype,
+  device or shape gets a new node (or a mismatched one) that the flat
+  buffers cannot follow. :meth:`FlatParams.zero_grad` therefore compares the
+  parameters' data pointers first (~12 us for 128 parameters on a shared
+  2-core CPU) and runs :meth:`FlatParams.check_storage` when one changed, so
+  such a change raises the error described below before the next backward.
+* Device cost, stated honestly: one copy (read the fresh gradient, write the
+  slot) is replaced by a fill (write the slot) and autograd's read-add-write,
+  so about two more passes over the gradient bytes per step (a fill of the
+  whole buffer plus one more read of it), against a Python hook after
+  accumulation and a ``copy_`` dispatch per parameter saved on the host
+  (issue 27 measured ~2.5 ms of them per ResNet-50 step, 161 parameters, on a
+  shared 2-core CPU; ``benchmarks/grad_path.py`` compares the whole
+  data-parallel path with DDP's). The aten op count of a step stays the
+  same but for the fills: one ``add_`` per parameter where there was a
+  ``copy_``, plus one fill per buffer.
+
+A data-parallel reducer (:meth:`FlatParams.set_grad_receiver`) is told about
+each parameter by the same pre-hook (no hook runs after accumulation): since
+autograd runs one device's nodes one at a time, the parameter announced
+before is complete by then, and the last one when backward ends. It divides
+each bucket by the averaging divisor (one op per bucket) before its
+all-reduce.
 
 Storage replaced behind the buffers' back. Code that swaps a parameter's
 storage (``layer.weight.data = tensor``, ``module.to_empty(device=...)``,
@@ -68,10 +121,12 @@ the flat slot behind while the live parameter uses new memory; an optimizer
 updating the slot would then never train the parameter. :meth:`FlatParams.check_storage`
 finds such parameters and runs every time gradients are synced
 (:meth:`~FlatParams.sync_grads`, which fused optimizers call at each step)
-and at each training forward of FusedDataParallel; the backward hook checks
-its own parameter too. It compares one ``data_ptr()`` per parameter and per
-gradient view (``module._apply`` replaces ``param.grad``'s storage as well)
-with a cached list in one vectorised pass: measured 48 us per call for
+and at each training forward of FusedDataParallel (and by
+:meth:`~FlatParams.zero_grad` when a parameter's pointer changed); the
+backward pre-hook checks its own parameter too. It compares one
+``data_ptr()`` per parameter and per gradient view (``module._apply``
+replaces ``param.grad``'s storage as well) with a cached list in one
+vectorised pass: measured 48 us per call for
 ResNet-50's 161 parameters (322 pointers) on a shared 2-core CPU, torch 2.13;
 ``sync_grads`` as a whole takes 94 us there, less than the 166 us it took
 before the check existed, because its other per-parameter tests are
@@ -120,6 +175,8 @@ from __future__ import annotations
 import bisect
 import copy
 import dataclasses
+import inspect
+import itertools
 import logging
 import operator
 import weakref
@@ -127,8 +184,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
-from tfuse._eager import eager_in_compiled_code
+from tfuse._eager import never_traced
 
 logger = logging.getLogger(__name__)
 
@@ -310,10 +368,10 @@ class FlatParams:
     A parameter's gradient sits at the same offset in the gradient buffer as
     the parameter in the parameter buffer (see :class:`FlatGroup`), with the
     parameter's strides: memory formats are kept. When the set of trainable
-    parameters changes (a layer unfrozen), :meth:`sync_grads` lays the group
-    out again: new buffers, ``param.data`` re-homed, values and gradients
-    kept, and :attr:`layout_version` incremented so that holders of offsets
-    (optimizers) know to follow. When a parameter's storage is replaced
+    parameters changes (a layer unfrozen), :meth:`sync_grads` (or
+    :meth:`zero_grad`) lays the group out again: new buffers, ``param.data``
+    re-homed, values and gradients kept, and :attr:`layout_version`
+    incremented so that holders of offsets (optimizers) know to follow. When a parameter's storage is replaced
     behind its back (``param.data = ...``, ``model.double()``, ...),
     :meth:`check_storage` re-homes it or raises; the module docstring lists
     the cases.
@@ -364,12 +422,20 @@ class FlatParams:
         self._registered = unique
         self._names = names
         self._groups: list[FlatGroup] = []
-        self._hooks: list = []
+        self._hooks: list = []  # pre-hooks on the parameters' AccumulateGrad nodes (they attach the views)
+        self._accumulators: list = []  # those nodes, kept alive so that autograd uses them (and their hooks)
         self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._clean: dict[int, bool] = {}  # id(param) -> its gradient slot holds exact zeros
+        # id(param) -> its gradient slot holds exact zeros and was not handed out since (see _attach)
+        self._clean: dict[int, bool] = {}
+        self._group_keys: list[list[int]] = []  # per group: id() of its trainable parameters
         self._homes: dict[int, tuple[torch.Tensor, _Slot]] = {}  # id(param) -> (gradient view, slot): the hot path
-        self._receiver: Callable[[torch.nn.Parameter], None] | None = None
+        # The receiver: a bound method is held as (its function, a weak reference to its object), so that a
+        # reducer is not kept alive by the buffers it reduces; any other callable as (itself, None).
+        self._receiver: Callable[..., None] | None = None
+        self._receiver_of: weakref.ref | None = None
         self._sharder: Callable[[], Any] | None = None  # weak reference to the ShardedOptimizer of these buffers
+        self._refused = False  # backward met a replaced storage it refused: check_storage looks at every parameter
+        self._param_ptrs: list[int] = []
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self._watched: list[torch.Tensor] = []
         self._ptrs: list[int] = []
@@ -387,7 +453,7 @@ class FlatParams:
         """
         for handle in self._hooks:
             handle.remove()
-        self._hooks = []
+        self._hooks, self._accumulators = [], []
         self._grad_views = {}
         self._clean = {}
         self._homes = {}
@@ -401,6 +467,12 @@ class FlatParams:
         for index, group in enumerate(g for g in groups if g.grad is not None):
             self._split_buckets(index, group)
         self._index_slots()
+        for param, view in self._grad_views.items():
+            # Kept alive by us, the node autograd accumulates this parameter's gradients with stays the same
+            # across backward passes (otherwise a new one per graph), and so does its pre-hook.
+            accumulator = get_gradient_edge(param).node
+            self._accumulators.append(accumulator)
+            self._hooks.append(accumulator.register_prehook(self._attach_hook(param, view, self._slots[param])))
         self.layout_version += 1
 
     def _coalesce(self, device: torch.device, dtype: torch.dtype, trainable: list, frozen: list) -> FlatGroup:
@@ -449,7 +521,6 @@ class FlatParams:
                 param.grad = grad_view
             self._grad_views[param] = grad_view
             self._clean[id(param)] = previous is None
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready_hook()))
         return group
 
     def _split_buckets(self, index: int, group: FlatGroup) -> None:
@@ -493,38 +564,103 @@ class FlatParams:
                 )
         self._slots = slots
         self._homes = {id(param): (view, slots[param]) for param, view in self._grad_views.items()}
+        self._group_keys = [[id(p) for p in group.params[: group.n_trainable]] for group in self._groups]
         self._watched = list(self._registered) + list(self._grad_views.values())
         self._ptrs = [slots[p].ptr for p in self._registered] + [slots[p].grad_ptr for p in self._grad_views]
+        self._param_ptrs = self._ptrs[: len(self._registered)]
         self._trainable_flags = [p.requires_grad for p in self._registered]
         self._on_meta = any(group.device.type == "meta" for group in self._groups)
 
-    def _grad_ready_hook(self) -> Callable[[torch.Tensor], None]:
+    def _attach_hook(self, param: torch.nn.Parameter, view: torch.Tensor, slot: _Slot) -> Callable[[tuple], None]:
         flat = weakref.ref(self)  # the hook must not keep the FlatParams alive
+        key, ptr, strides = id(param), slot.ptr, slot.strides
+        grad_enabled = torch.is_grad_enabled
 
-        @eager_in_compiled_code  # bookkeeping on the host, never traced (backward called inside compiled code)
-        def grad_ready(param: torch.Tensor) -> None:
-            # Runs in backward once autograd has accumulated param.grad.
+        @never_traced  # bookkeeping on the host (backward called inside compiled code), no cost per call
+        def attach_view(grad_outputs: tuple) -> None:
+            # Runs in backward just before autograd accumulates the parameter's gradient (a pre-hook of its
+            # AccumulateGrad node: torch.autograd.grad, which accumulates nothing, never runs it).
             owner = flat()
             if owner is None:
                 return
+            # With grad mode on (create_graph=True) autograd accumulates out of place: nothing to attach to.
+            if param.grad is None and not grad_enabled():
+                clean = owner._clean
+                grad = grad_outputs[0]
+                # The common case inline: a zeroed slot, the parameter where it was coalesced, a dense gradient.
+                if clean[key] and param.data_ptr() == ptr and param.stride() == strides and not grad.is_sparse:
+                    clean[key] = False
+                    param.grad = view
+                else:
+                    owner._attach(param, key, view, grad)
             receiver = owner._receiver
-            if receiver is None:
-                owner.bring_home(param)
-            else:
-                receiver(param)
+            if receiver is not None:
+                of = owner._receiver_of
+                if of is None:
+                    receiver(param)
+                else:
+                    target = of()
+                    if target is not None:
+                        receiver(target, param)
 
-        return grad_ready
+        return attach_view
+
+    def _attach(self, param: torch.nn.Parameter, key: int, view: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Makes the parameter's zeroed slot its ``.grad``, so that autograd adds the new gradient into it in place."""
+        slot = self._homes[key][1]
+        # Storage replaced since coalescing: an incompatible change raises here, before any gradient lands; a
+        # compatible one is re-homed by the next check_storage (not in the middle of backward).
+        if (param.data_ptr() != slot.ptr or param.stride() != slot.strides) and self._problem(param, slot) is not None:
+            self._refused = True  # (other strides over the same memory: the pointer check cannot see it)
+            raise RuntimeError(self._message(self._problems()))
+        if view.data_ptr() != slot.grad_ptr or view.stride() != slot.strides:
+            self._restore_grad_view(param, slot, view)
+            self._clean[key] = False
+        if grad is not None and grad.is_sparse:
+            raise RuntimeError(
+                "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
+                "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
+            )
+        if not self._clean[key]:
+            self._zero_slot(slot, view)
+        self._clean[key] = False
+        param.grad = view
+
+    def _zero_slot(self, slot: _Slot, view: torch.Tensor) -> None:
+        """Zeroes a slot that may hold old values: the whole buffer (one fill) when no parameter of the group
+        has a gradient (``grad is None`` everywhere: e.g. after ``model.zero_grad()``), else the slot alone."""
+        group = self._groups[slot.group]
+        with torch.no_grad():
+            if all(p.grad is None for p in itertools.islice(group.params, group.n_trainable)):
+                group.grad.zero_()
+                self._clean.update(dict.fromkeys(self._group_keys[slot.group], True))
+            else:
+                view.zero_()
 
     def set_grad_receiver(self, receiver: Callable[[torch.nn.Parameter], None] | None) -> None:
-        """Hands each finished gradient to ``receiver(param)`` instead of :meth:`bring_home` ``(param)``.
+        """Announces each gradient to ``receiver(param)`` as autograd is about to accumulate it (a data-parallel
+        reducer: it learns when a bucket is complete).
 
-        Backward calls it once per trainable parameter, after autograd has
-        accumulated ``param.grad``; the receiver must call
-        ``bring_home(param, divisor)`` itself (a data-parallel reducer passes
-        the averaging divisor of the pass, then marks the gradient ready).
-        One receiver at a time; None restores the default.
+        Backward calls it once per trainable parameter that gets a gradient,
+        from the pre-hook of the parameter's AccumulateGrad node that
+        attaches the flat buffer's view (no hook of its own): just before
+        autograd adds the gradient into ``param.grad``. Autograd runs one
+        device's nodes one at a time, so by the time ``receiver(q)`` is
+        called, the accumulation of every parameter announced before ``q``
+        on the same device has finished, and every one has finished when the
+        callbacks queued on the engine (``queue_callback``) run at the end of
+        backward. The gradient then normally lives in the parameter's view of
+        the flat buffer; one that lives elsewhere (set by hand) is the
+        receiver's to bring in with :meth:`bring_home`. One receiver at a
+        time; None: none. A bound method is held weakly (a reducer is not
+        kept alive by the buffers it reduces: once it is gone, gradients are
+        simply not announced), any other callable strongly. (Dynamo never
+        traces the hook, nor the receiver it calls.)
         """
-        self._receiver = receiver
+        if inspect.ismethod(receiver):
+            self._receiver, self._receiver_of = receiver.__func__, weakref.ref(receiver.__self__)
+        else:
+            self._receiver, self._receiver_of = receiver, None
 
     @property
     def sharded_by(self) -> Any:
@@ -540,55 +676,64 @@ class FlatParams:
 
     @property
     def grad_receiver(self) -> Callable[[torch.nn.Parameter], None] | None:
-        """The receiver set by :meth:`set_grad_receiver`, if any."""
-        return self._receiver
+        """The receiver set by :meth:`set_grad_receiver`, if any (None once a bound method's object is gone)."""
+        if self._receiver_of is None:
+            return self._receiver
+        target = self._receiver_of()
+        return None if target is None else self._receiver.__get__(target)
 
-    def bring_home(self, param: torch.nn.Parameter, divisor: float = 1.0) -> bool | None:
-        """Makes ``param.grad`` its view of the flat gradient buffer, dividing a fresh gradient by ``divisor``.
+    def bring_home(self, param: torch.nn.Parameter) -> bool:
+        """Makes ``param.grad`` its view of the flat gradient buffer; returns whether the gradient is in the buffer.
 
-        Called from the backward hook (see :meth:`set_grad_receiver`). A
-        gradient autograd left elsewhere (``param.grad`` was None, so autograd
-        handed over its fresh tensor; or one was set by hand) is copied into
-        the view, divided by ``divisor`` on the way when that is not 1 (no
-        separate pass). Returns True when the gradient was divided on the
-        way in, False when it already was the view (accumulated in place:
-        not divided) or ``divisor`` is 1, None when it stays outside the
-        buffer (``backward(create_graph=True)`` keeps its graph: a later
-        :meth:`sync_grads` copies it) or ``param`` has no gradient slot.
+        A gradient that lives elsewhere (set by hand, or accumulated into a
+        tensor set by hand) is copied into the view, which becomes
+        ``param.grad``. Returns False, changing nothing, when ``param`` has no
+        gradient, no gradient slot here, or a gradient that keeps its graph
+        (``backward(create_graph=True)``; a later :meth:`sync_grads` copies it).
         """
         home = self._homes.get(id(param))
         if home is None:
-            return None
-        view, slot = home
-        strides = slot.strides
-        # Storage replaced since coalescing: an incompatible change raises here, before its gradient (of
-        # another dtype, say) is copied anywhere; a compatible one is re-homed by the next check_storage
-        # (not in the middle of backward).
-        moved = param.data_ptr() != slot.ptr or param.stride() != strides
-        if moved and self._problem(param, slot) is not None:
-            raise RuntimeError(self._message(self._problems()))
-        if view.data_ptr() != slot.grad_ptr or view.stride() != strides:
-            self._restore_grad_view(param, slot, view)  # what autograd accumulated into it goes home too
-        grad = param.grad
-        self._clean[id(param)] = False
-        if grad is view:
             return False
+        view, slot = home
+        grad = param.grad
+        if grad is view:
+            return True
+        if grad is None or grad.requires_grad:
+            return False
+        if (param.data_ptr() != slot.ptr or param.stride() != slot.strides) and self._problem(param, slot) is not None:
+            self._refused = True  # (other strides over the same memory: the pointer check cannot see it)
+            raise RuntimeError(self._message(self._problems()))
+        if view.data_ptr() != slot.grad_ptr or view.stride() != slot.strides:
+            self._restore_grad_view(param, slot, view)
         if grad.is_sparse:
             raise RuntimeError(
                 "FlatParams: a coalesced parameter received a sparse gradient; sparse gradients cannot live in a "
                 "flat buffer (use dense gradients, e.g. nn.Embedding(..., sparse=False))"
             )
-        if grad.requires_grad:
-            return None  # backward(create_graph=True): keep the graph; sync_grads copies it later
+        self._clean[id(param)] = False
         if _same_memory(grad, view):
-            return False
-        if torch.is_grad_enabled():  # called by hand; backward runs hooks with grad mode off already
-            with torch.no_grad():
-                _copy_in(grad, view, divisor)
-        else:
-            _copy_in(grad, view, divisor)
+            return True
+        with torch.no_grad():
+            view.copy_(grad)
         param.grad = view
-        return divisor != 1
+        return True
+
+    def note_written(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Tells the FlatParams that gradient slots were written through the buffers, not through ``param.grad``.
+
+        For code that writes whole gradient buffers or buckets (a collective,
+        a scaling pass) while some parameters' ``grad`` is None: their slots
+        may then hold values, so the next backward that gives such a
+        parameter a gradient zeroes its slot first (see the module
+        docstring). ``params``: those whose slots were written; None: all.
+        :meth:`zero_grad` makes every slot known zero again.
+        """
+        if params is None:
+            self._clean = dict.fromkeys(self._clean, False)
+            return
+        for param in params:
+            if id(param) in self._clean:
+                self._clean[id(param)] = False
 
     # ------------------------------------------------------------------ storage replaced behind our back
 
@@ -605,15 +750,18 @@ class FlatParams:
         RuntimeError naming the parameters, what changed and what to do
         instead, and changes nothing. (A parameter given other strides over
         the same memory, ``param.data = param.data.t()``, keeps its pointer:
-        the backward hook and any copy of a gradient into its slot catch that.)
+        the backward pre-hook that would attach its slot and any copy of a
+        gradient into its slot catch that; once they refused it, this checks
+        every parameter.)
         :meth:`sync_grads` (every fused optimizer step) and FusedDataParallel's
         forward call this.
         """
-        if list(map(_DATA_PTR, self._watched)) == self._ptrs:
+        if list(map(_DATA_PTR, self._watched)) == self._ptrs and not self._refused:
             return
         problems = self._problems()
         if problems:
             raise RuntimeError(self._message(problems))
+        self._refused = False
         for param, slot in self._slots.items():
             if param.data_ptr() != slot.ptr or param.stride() != slot.strides:
                 self._rehome(param, slot)
@@ -751,7 +899,11 @@ class FlatParams:
 
     @property
     def grad_buffers(self) -> list[torch.Tensor]:
-        """The flat gradient buffers, one per (device, dtype) that has a trainable parameter."""
+        """The flat gradient buffers, one per (device, dtype) that has a trainable parameter.
+
+        Handing them out counts as writing every slot (see :meth:`note_written`).
+        """
+        self.note_written()
         return [group.grad for group in self._groups if group.grad is not None]
 
     # ------------------------------------------------------------------ the layout, stated
@@ -841,29 +993,64 @@ class FlatParams:
                 self._names.setdefault(param, name)
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The view of the flat gradient buffer that holds ``param``'s gradient (with ``param``'s strides)."""
-        if param not in self._grad_views:
+        """The view of the flat gradient buffer that holds ``param``'s gradient (with ``param``'s strides).
+
+        Handing it out counts as writing the slot (see :meth:`note_written`).
+        """
+        view = self._view(param)
+        self._clean[id(param)] = False
+        return view
+
+    def _view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        view = self._grad_views.get(param)
+        if view is None:
             raise KeyError("this parameter has no gradient slot here (requires_grad=False, or not coalesced)")
-        return self._grad_views[param]
+        return view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Resets every gradient, as ``Optimizer.zero_grad`` does.
+        """Resets every gradient, as ``Optimizer.zero_grad`` does: one fill per gradient buffer.
 
-        ``set_to_none=True`` (torch's default) sets every ``param.grad`` to
-        None without touching the buffers: the next backward copies each new
-        gradient into its slot, overwriting what was there. ``set_to_none=False``
-        zeroes the buffers (one op each) and keeps the views of parameters
-        that have a gradient, as zeros.
+        Every gradient buffer is filled with zeros (one op each, no op per
+        parameter). ``set_to_none=True`` (torch's default) sets every
+        ``param.grad`` to None; the next backward makes each parameter that
+        gets a gradient point at its zeroed slot just before autograd adds
+        the gradient into it (see the module docstring). ``set_to_none=False``
+        keeps the views of parameters that have a gradient, as zeros (a
+        frozen parameter's gradient, which has no slot, is zeroed where it is).
+        First, when a parameter's data pointer changed, runs
+        :meth:`check_storage`: a parameter whose storage was replaced since
+        coalescing is re-homed, or a clear error raised here, before the
+        backward that would meet it; and when the set of trainable parameters
+        changed, lays the buffers out again (as :meth:`sync_grads` does).
         """
+        # (The parameters' pointers only: a gradient view whose storage was replaced is taken back by the
+        # next check_storage, at the step or FusedDataParallel's forward, before anyone reads the buffer.)
+        if list(map(_DATA_PTR, self._registered)) != self._param_ptrs or self._refused:
+            self.check_storage()
+        relayout = list(map(_REQUIRES_GRAD, self._registered)) != self._trainable_flags
         if set_to_none:
-            for param in self._grad_views:
+            for param in self._registered:
                 param.grad = None
+        if relayout:
+            logger.info("FlatParams: the set of trainable parameters changed; rebuilding gradient buffers")
+            self._lay_out()
+        with torch.no_grad():
+            for group in self._groups:
+                if group.grad is not None:
+                    group.grad.zero_()
+        if set_to_none:
+            self._clean = dict.fromkeys(self._clean, True)
             return
-        for buffer in self.grad_buffers:
-            buffer.zero_()
-        for param, view in self._grad_views.items():
-            self._clean[id(param)] = True
-            if param.grad is not None:
+        for param in self._registered:
+            grad = param.grad
+            view = self._grad_views.get(param)
+            if view is None:
+                if grad is not None:
+                    with torch.no_grad():
+                        grad.zero_()
+                continue
+            self._clean[id(param)] = grad is None
+            if grad is not None and grad is not view:
                 param.grad = view
 
     def sync_grads(self) -> None:
@@ -925,11 +1112,12 @@ class FlatParams:
         ``grad`` is None keeps None, and its view is zeroed (unless already
         zero) so that the buffer holds exactly zero for it.
         """
-        view = self.grad_view(param)
+        view = self._view(param)
         grad = param.grad
         if grad is None:
             if not self._clean[id(param)]:
-                view.zero_()
+                with torch.no_grad():
+                    view.zero_()
                 self._clean[id(param)] = True
             return False
         if grad is not view and not _same_memory(grad, view):
@@ -948,7 +1136,7 @@ class FlatParams:
         For code that wrote the gradient into the buffer itself, e.g. an
         all-reduce that filled in a gradient this process never computed.
         """
-        view = self.grad_view(param)
+        view = self._view(param)
         param.grad = view
         self._clean[id(param)] = False
         return view
@@ -1056,13 +1244,6 @@ _ADVICE = {
         "not its .data."
     ),
 }
-
-
-def _copy_in(grad: torch.Tensor, view: torch.Tensor, divisor: float) -> None:
-    if divisor == 1:
-        view.copy_(grad)
-    else:
-        torch.div(grad, divisor, out=view)
 
 
 def _same_memory(grad: torch.Tensor, view: torch.Tensor) -> bool:

@@ -1,17 +1,22 @@
 """All-reduce of gradient buckets during backward, in a fixed order on every rank.
 
 The reducer is the gradient receiver of a :class:`~tfuse.flat.FlatParams`
-(:meth:`~tfuse.flat.FlatParams.set_grad_receiver`): backward hands it each
-parameter whose gradient autograd has finished, and it has the FlatParams
-bring that gradient into its bucket, passing the pass's averaging divisor
-(the world size, when this pass all-reduces) so that a fresh gradient is
-averaged as it is copied in. Each call marks a parameter ready; when every parameter of a bucket is ready, buckets are
-issued with ``async_op=True`` strictly in bucket order (a bucket that fills
-early waits for the ones before it), so every rank issues the same
-collectives in the same order whatever order its hooks fire in. A callback
-queued on the autograd engine runs when backward ends: it issues what is
-left, waits for every all-reduce and checks that every parameter got a
-gradient. Gradients are views of the buckets, so nothing is copied.
+(:meth:`~tfuse.flat.FlatParams.set_grad_receiver`): in backward, the
+FlatParams' one pre-accumulation hook per parameter, the one that attaches
+the parameter's view of the flat buffer, announces each parameter just before
+autograd adds its gradient into that view in place (nothing is copied).
+Autograd runs one device's nodes one at a time, so an announcement means the
+parameter announced before it is complete: the reducer marks that one ready
+(bringing a gradient set by hand, living elsewhere, into its slot first), and
+the last one when backward ends. No hook runs after accumulation. When every
+parameter of a bucket is ready, the bucket is divided by the averaging
+divisor (one op per bucket, before the sum so that float16/bfloat16 sums stay
+in range) and issued with ``async_op=True``, strictly in bucket order (a
+bucket that fills early waits for the ones before it), so every rank issues
+the same collectives in the same order whatever order its hooks fire in. A
+callback queued on the autograd engine runs when backward ends: it marks the
+last parameter ready, issues what is left, waits for every all-reduce and
+checks that every parameter got a gradient.
 """
 
 from __future__ import annotations
@@ -76,10 +81,8 @@ class GradientReducer:
         self._reset_pass()
         self._in_backward = False
         self._syncing = False
-        self._pass_divisor = 1.0  # what fresh gradients are divided by as they are copied in, this pass
         self.retired = False  # a newer reducer took the parameters over
-        self._receiver = GradReceiver(self, flat)
-        flat.set_grad_receiver(self._receiver)
+        flat.set_grad_receiver(self.on_grad_arrival)  # (held weakly by the FlatParams)
 
     def _read_layout(self) -> None:
         """The bucket tables, from the FlatParams' current layout (and the owners' shards, if sharded)."""
@@ -89,6 +92,8 @@ class GradientReducer:
         self._regions = [bucket.grad for bucket in self.buckets]
         self._params = [p for bucket in self.buckets for p in bucket.params]
         self._bucket_of = {id(param): index for index, bucket in enumerate(self.buckets) for param in bucket.params}
+        # id(param) -> (its bucket, its gradient view): what the per-gradient receiver reads
+        self._homes = {id(p): (self._bucket_of[id(p)], flat._view(p)) for p in self._params}
         self._sizes = [len(bucket.params) for bucket in self.buckets]
         if self._owners is not None:
             self._owners.read_layout(flat, self.buckets, self.group)
@@ -163,7 +168,7 @@ class GradientReducer:
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from the parameters (a newer wrapper took them over)."""
-        if self.flat.grad_receiver is self._receiver:
+        if self.flat.grad_receiver == self.on_grad_arrival:
             self.flat.set_grad_receiver(None)
         self.retired = True
 
@@ -198,36 +203,61 @@ class GradientReducer:
     def _reset_pass(self) -> None:
         self._ready_counts = [0] * len(self.buckets)
         self._seen: set[int] = set()  # id(param) of the gradients ready in this pass
-        self._undivided: list[list[torch.nn.Parameter]] = [[] for _ in self.buckets]
+        self._pending: torch.nn.Parameter | None = None  # announced, its accumulation maybe still running
         self._next = 0
         self._works: list = []
 
     # ------------------------------------------------------------------ backward
 
-    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        """Receiver body: autograd has finished ``param.grad`` for this backward pass.
+    def on_grad_arrival(self, param: torch.nn.Parameter) -> None:
+        """Receiver body: autograd is about to accumulate ``param``'s gradient of this backward pass.
 
-        Brings it into its bucket (averaged on the way in when this pass
-        all-reduces and the gradient is fresh), then marks it ready and
-        issues every bucket whose turn has come.
+        In a pass that synchronizes, the parameter announced before it is
+        complete now: it is marked ready (see :meth:`_mark_ready`); the last
+        one is marked when backward ends. A pass that only accumulates does nothing.
         """
         if not self._in_backward:
             self._start_pass()
-        divided = self.flat.bring_home(param, self._pass_divisor)
-        if divided is None or not self._syncing:
-            return  # create_graph=True keeps the gradient outside until the end of backward
+        if not self._syncing:
+            return
+        previous = self._pending
+        self._pending = param
+        if previous is None:
+            return
+        # _mark_ready's common case inline (one call per gradient): in its slot, announced once.
+        key = id(previous)
+        index, view = self._homes[key]
+        seen = self._seen
+        if previous.grad is not view or key in seen:
+            self._mark_ready(previous)
+            return
+        seen.add(key)
+        counts = self._ready_counts
+        counts[index] += 1
+        if index == self._next and counts[index] == self._sizes[index]:
+            self._issue_ready()
+
+    def _mark_ready(self, param: torch.nn.Parameter) -> None:
+        """``param.grad`` is final for this pass: counts it, and issues every bucket whose turn has come."""
         key = id(param)
+        index, view = self._homes[key]
+        if param.grad is not view and not self.flat.bring_home(param):
+            return  # create_graph=True keeps the gradient (and its graph) outside until the end of backward
         if key in self._seen:
             raise RuntimeError(
                 f"FusedDataParallel: parameter {self._names[param]!r} received its gradient twice in one backward "
                 "pass (reentrant activation checkpointing? use torch.utils.checkpoint(..., use_reentrant=False))"
             )
         self._seen.add(key)
-        index = self._bucket_of[key]
-        if not divided:  # accumulated in place (or set by hand into the view): divided when issued
-            self._undivided[index].append(param)
-        self._ready_counts[index] += 1
-        while self._next < len(self.buckets) and self._ready_counts[self._next] == self._sizes[self._next]:
+        counts = self._ready_counts
+        counts[index] += 1
+        if index == self._next and counts[index] == self._sizes[index]:
+            self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        """Issues every bucket, in order, whose gradients are all ready."""
+        counts, sizes, total = self._ready_counts, self._sizes, len(self.buckets)
+        while self._next < total and counts[self._next] == sizes[self._next]:
             self._issue(self._next)
 
     def _start_pass(self) -> None:
@@ -242,7 +272,6 @@ class GradientReducer:
         if not self.forward_skipped:
             self.merged_passes += 1
         self._syncing = not self.forward_skipped and self.merged_passes >= self.merge_steps
-        self._pass_divisor = self._divisor if self._syncing else 1.0
         self.synchronized = False
         # Runs once backward has finished every node; it waits for the all-reduces.
         torch.autograd.Variable._execution_engine.queue_callback(_make_finish(weakref.ref(self)))
@@ -250,14 +279,10 @@ class GradientReducer:
     def _issue(self, index: int) -> None:
         region = self._regions[index]
         if self._divisor != 1:
-            # Divide before summing so float16/bfloat16 sums stay in range; gradients copied
-            # into the bucket in this pass were divided on the way in.
-            pending = self._undivided[index]
-            if len(pending) == self._sizes[index]:
+            # One op per bucket, before the sum so that float16/bfloat16 sums stay in range. (Slots of
+            # parameters without a gradient hold zeros here: find_unused adopted them as zeros.)
+            with torch.no_grad():
                 region.div_(self._divisor)
-            else:
-                for param in pending:
-                    self.flat.grad_view(param).div_(self._divisor)
         if not self.reduces_to_owners:
             self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         else:
@@ -268,9 +293,11 @@ class GradientReducer:
     def finish_pass(self) -> None:
         """End-of-backward callback: issues what is left, waits for everything, checks for missing gradients."""
         self._in_backward = False
-        self._pass_divisor = 1.0
         if not self._syncing:
             return
+        last, self._pending = self._pending, None
+        if last is not None:
+            self._mark_ready(last)
         self.merged_passes = 0
         missing = []
         for index in range(self._next, len(self.buckets)):
@@ -279,7 +306,6 @@ class GradientReducer:
                     missing.append(param)
                     # It may still hold a gradient from an earlier merged pass (divided when issued); none: zeros.
                     self.flat.adopt_grad(param)
-                    self._undivided[index].append(param)
         for index in range(self._next, len(self.buckets)):
             self._issue(index)
         used_counts = self._all_reduce_used_flags() if self.find_unused else None
@@ -289,11 +315,13 @@ class GradientReducer:
         self._reset_pass()
         if self.reduces_to_owners:
             self._owners.settle(self.group)
+            self.flat.note_written()  # a reduce leaves partial sums (zeroed) and maybe a NaN flag in slots
         if used_counts is not None:
             for param, count in zip(self._params, used_counts):
                 if count > 0 and param.grad is None:
                     self.flat.attach_grad(param)  # used on another rank: it holds the average now
         elif missing:
+            self.flat.note_written(missing)  # their slots hold what the other ranks sent
             self._raise_missing(missing)
         self.synchronized = True
 
@@ -411,27 +439,11 @@ def _total_norm(shards: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(shards, 2, dtype=dtype)))
 
 
-class GradReceiver:
-    """What a FlatParams hands finished gradients to while a reducer is attached (weak both ways).
-
-    A reducer that was garbage-collected (its wrapper deleted) leaves the
-    FlatParams' default behaviour: the gradient is brought home undivided.
-    """
-
-    __slots__ = ("flat", "reducer")
-
-    def __init__(self, reducer: GradientReducer, flat: FlatParams) -> None:
-        self.reducer = weakref.ref(reducer)
-        self.flat = weakref.ref(flat)
-
-    def __call__(self, param: torch.nn.Parameter) -> None:
-        target = self.reducer()
-        if target is not None:
-            target.on_grad_ready(param)
-            return
-        flat = self.flat()
-        if flat is not None:
-            flat.bring_home(param)
+def reducer_of(flat: FlatParams) -> GradientReducer | None:
+    """The live reducer that receives ``flat``'s gradients, if any."""
+    receiver = flat.grad_receiver
+    owner = getattr(receiver, "__self__", None)
+    return owner if isinstance(owner, GradientReducer) else None
 
 
 def _make_finish(reducer: weakref.ref):

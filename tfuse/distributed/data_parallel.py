@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tfuse.distributed._reducer import GradientReducer, GradReceiver
+from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
 from tfuse.flat import Bucket, FlatParams, flat_params_of, register_compact_state_dict
 
 logger = logging.getLogger(__name__)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# What a copy or a pickle does not keep: _build makes it again (or the process group: the default one).
+_REBUILT = (
+    "_flat_ref",
+    "_reducer",
+    "process_group",
+    "_params",
+    "_param_names",
+    "_requires_grad",
+    "_paused",
+    "_submodules",
+)
 
 
 class FusedDataParallel(torch.nn.Module):
@@ -36,14 +49,18 @@ class FusedDataParallel(torch.nn.Module):
     difference on every rank; then parameters and buffers are broadcast from
     rank 0.
 
-    In backward, a hook per parameter marks its gradient ready; a bucket whose
-    gradients are all ready is all-reduced asynchronously while backward goes
-    on. Buckets are issued in the same order on every rank (a bucket that
-    fills early waits for those before it), and the wrapper waits for all of
-    them **at the end of backward**: when ``loss.backward()`` returns, the
-    gradients are averaged and the optimizer can step. Averaging divides each
-    bucket by the world size *before* the sum, so float16/bfloat16 sums do
-    not overflow (at the cost of underflow for tiny values).
+    In backward, autograd accumulates each gradient in place into its slot of
+    the flat buffer (nothing is copied, see :mod:`tfuse.flat`), and the
+    FlatParams' pre-accumulation hook of each parameter, the only Python
+    hook per parameter, tells the reducer, which marks the gradient before it
+    ready; a bucket whose gradients are all ready is all-reduced
+    asynchronously while backward goes on. Buckets are issued in the same
+    order on every rank (a bucket that fills early waits for those before
+    it), and the wrapper waits for all of them **at the end of backward**:
+    when ``loss.backward()`` returns, the gradients are averaged and the
+    optimizer can step. Averaging divides each bucket by the world size
+    *before* the sum (one op per bucket), so float16/bfloat16 sums do not
+    overflow (at the cost of underflow for tiny values).
 
     Args:
         module: the model; all its parameters on one device (a GPU per process
@@ -174,13 +191,17 @@ class FusedDataParallel(torch.nn.Module):
             broadcast_parameters(flat, process_group)
             broadcast_tensors(list(module.buffers()), process_group)
         # Wrapping the same parameters again (after changing requires_grad, say) retires the reducer attached now.
-        previous = flat.grad_receiver
-        if isinstance(previous, GradReceiver) and previous.reducer() is not None:
-            previous.reducer().remove_hooks()
+        previous = reducer_of(flat)
+        if previous is not None:
+            previous.remove_hooks()
         self._reducer = GradientReducer(
             flat, names, process_group, self.gradient_merge_steps, self.gradient_merge_avg, self.find_unused_parameters
         )
         register_compact_state_dict(module)
+        # The module tree as wrapped (as DDP, which keeps its buffers from wrapping; the buffers themselves are
+        # read at every forward, so a buffer assigned anew is the one broadcast): walking it per forward cost
+        # ~60 us for 65 modules on a 2-core CPU.
+        self._submodules = list(module.modules())
         self.num_grad_tensors = sum(len(bucket.params) for bucket in flat.buckets)
         rank = dist.get_rank(process_group)
         logger.log(
@@ -210,7 +231,7 @@ class FusedDataParallel(torch.nn.Module):
                 "state_dict) instead"
             )
         state = dict(self.__dict__)
-        for key in ("_flat_ref", "_reducer", "process_group", "_params", "_param_names", "_requires_grad", "_paused"):
+        for key in _REBUILT:
             state.pop(key, None)
         return state
 
@@ -281,7 +302,7 @@ class FusedDataParallel(torch.nn.Module):
             # statistics until the synchronising step). Unlike DDP, a forward without gradients (evaluation)
             # broadcasts nothing: evaluating on one rank only does not hang.
             if self.broadcast_buffers and self._sync_buffers_next and not getattr(self, "_paused", False):
-                buffers = list(self.module.buffers())
+                buffers = self._module_buffers()
                 if buffers:
                     broadcast_tensors(buffers, self.process_group)
             self._sync_buffers_next = self._reducer.no_sync_depth == 0
@@ -316,8 +337,13 @@ class FusedDataParallel(torch.nn.Module):
         self._paused = paused
         self._reducer.no_sync_depth += 1 if paused else -1
 
+    def _module_buffers(self) -> list[torch.Tensor]:
+        """The wrapped module's buffers, in ``module.buffers()`` order, each once."""
+        buffers = [b for m in self._submodules for b in m._buffers.values() if b is not None]
+        return list({id(b): b for b in buffers}.values()) if len(buffers) > 1 else buffers
+
     def _check_requires_grad(self) -> None:
-        if all(p.requires_grad == before for p, before in zip(self._params, self._requires_grad)):
+        if list(map(_REQUIRES_GRAD, self._params)) == self._requires_grad:  # (vectorised: every training forward)
             return
         changed = [
             self._param_names[i] for i, p in enumerate(self._params) if p.requires_grad != self._requires_grad[i]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tfuse._backend import select_backend
 from tfuse.distributed import _sharded_checkpoint as checkpoint
 from tfuse.distributed._checks import require_process_group
-from tfuse.distributed._reducer import GradientReducer, GradReceiver
+from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
 from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
@@ -227,8 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         reducers = []
         for flat in self.optim.flat_params:
-            receiver = flat.grad_receiver
-            reducer = receiver.reducer() if isinstance(receiver, GradReceiver) else None
+            reducer = reducer_of(flat)
             if reducer is None or reducer.retired:
                 continue
             same_group = reducer.group is self.process_group or (
@@ -358,6 +357,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if grad_scale is not None:
                 grad.div_(grad_scale.to(grad.device, grad.dtype))
             reduce_to_owners(grad, sharded.shards, self.reduce_mode, self.process_group)
+            sharded.flat.note_written()  # the whole buffer was divided and reduced, slots without gradients too
             for param in missing:
                 # Its slot now holds the reduction's result, not zeros: the parameter gets it as its gradient
                 # (as DDP gives an unused parameter the average), and FlatParams knows the slot is written.
