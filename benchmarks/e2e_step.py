@@ -10,8 +10,8 @@ backward, gradient clipping to norm 1, optimizer step; it returns the loss
   the batch as example input, ``FusedMomentum``/``FusedAdamW`` over the flat
   buffers), ``tfuse.optim.clip_grad_norm_`` of the optimizer;
 * ``eager + CUDA graph`` / ``tfuse + CUDA graph``: the same steps captured
-  whole in one CUDA graph (capturable optimizers, gradients zeroed in place)
-  and replayed;
+  whole in one CUDA graph by ``tfuse.capture_step`` (capturable optimizers,
+  gradients zeroed in place) and replayed;
 * ``torch.compile``: the eager variant with ``torch.compile(model)``.
 
 Example:
@@ -113,7 +113,7 @@ def make_variant(name: str, load: Workload, base: nn.Module) -> Variant:
     losses: list[float] = []
     launches = None
     if graphed:
-        replay, keep, launches = _capture(step, losses, load.seed)
+        replay, keep, launches = _capture(step, losses, load.seed, keep)
         step = replay
     else:
         for index in range(WARMUP_STEPS):
@@ -181,31 +181,33 @@ def _build_step(name: str, load: Workload, model: nn.Module, graphed: bool) -> t
     return step, (model, optimizer), note
 
 
-def _capture(step: StepFn, losses: list[float], seed: int) -> tuple[StepFn, Any, int | None]:
-    """Warm-up on a side stream (Triton compiles, state is created), then the step captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for index in range(WARMUP_STEPS):
-            torch.manual_seed(seed + index)
-            loss = step()
-            if index < 2:
-                losses.append(float(loss))
-        del loss
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+def _capture(step: StepFn, losses: list[float], seed: int, keep: Any) -> tuple[StepFn, Any, int | None]:
+    """The step captured in one CUDA graph by ``tfuse.capture_step`` (its ``WARMUP_STEPS`` warm-up steps on a side
+    stream compile kernels and create state; the first two give the checked losses)."""
     import tfuse
 
-    with tfuse.count_launches() as launches, torch.cuda.graph(graph):
-        static_loss = step()
+    warmed = 0
+    launches: list[int] = []
 
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return static_loss
+    def warm_up_or_capture() -> torch.Tensor:
+        nonlocal warmed
+        if torch.cuda.is_current_stream_capturing():
+            with tfuse.count_launches() as counted:
+                loss = step()
+            launches.append(counted.total)
+            return loss
+        torch.manual_seed(seed + warmed)  # the same dropout masks in every variant's checked steps
+        loss = step()
+        if warmed < 2:
+            losses.append(float(loss))  # a sync, in the first warm-up steps only (the last one is checked for syncs)
+        warmed += 1
+        return loss
 
-    replay()  # once, synchronised, so that a fault in the graph shows here, in this variant's row
+    model, optimizer = keep
+    captured = tfuse.capture_step(warm_up_or_capture, optimizers=optimizer, models=model, warmup=WARMUP_STEPS)
+    captured()  # once, synchronised, so that a fault in the graph shows here, in this variant's row
     torch.cuda.synchronize()
-    return replay, graph, launches.total
+    return captured, captured, launches[0]
 
 
 def _triton_launches(step: Callable[[], torch.Tensor]) -> int:

@@ -16,6 +16,7 @@ ensure_kernels_importable()
 from tfuse import distributed, flat, functional, kernels, nn, optim  # noqa: E402
 from tfuse._backend import BACKEND_ENV_VAR, Backend, interpreter_active, select_backend, use_backend  # noqa: E402
 from tfuse._launch import LaunchCount, count_launches  # noqa: E402
+from tfuse.capture import capture_step  # noqa: E402
 from tfuse.functional import add, add_act  # noqa: E402
 from tfuse.fusion import FusionReport, FusionStrategy, Setup, fuse_model, setup, tune_buckets  # noqa: E402
 
@@ -42,6 +43,7 @@ __all__ = [
     "Setup",
     "add",
     "add_act",
+    "capture_step",
     "count_launches",
     "distributed",
     "flat",
