@@ -9,17 +9,19 @@ the CPU's own arithmetic in torch's layers stays small), side by side:
 * ``eager``: the eager step of :mod:`benchmarks.e2e_step` (nn layers,
   ``SGD(fused=True)``/``AdamW(fused=True)``, torch's clip);
 * ``tfuse (Triton launch path)``: the tfuse step with tfuse's ops on their
-  Triton path, each launch going through Triton's own Python launch path
-  (argument binding, specialisation key, kernel cache lookup, grid, launch
-  metadata; tfuse's ``launch_cached`` fast path where it applies) into a
-  stubbed driver: the C launcher (``cuLaunchKernel``, a few microseconds on a
-  GPU host) is not called and the kernels do not run;
+  Triton path, launched as on a GPU into a stubbed driver: the first launch
+  of a specialisation through Triton's own Python launch path (argument
+  binding, specialisation key, kernel cache lookup, grid, launch metadata),
+  later ones as tfuse's prepared launches (:mod:`tfuse._launch`); the
+  compiled kernel's launcher (Triton's launcher object and
+  ``cuLaunchKernel``, a few microseconds on a GPU host, the same for any
+  caller) is a no-op and the kernels do not run;
 * ``tfuse (launches as no-ops)``: the same step with every launch replaced by
   a counter: tfuse's own Python per op.
 
 Per step it counts Triton launches by kernel, aten ops that are not views
-(each is about one CUDA kernel on a GPU; the census lists ``copy_`` apart:
-the gradient copies into flat buffers are among them), and times host ms
+(each is about one CUDA kernel on a GPU; the census lists ``copy_`` apart,
+where gradient copies into flat buffers would show), and times host ms
 (median and quartiles of single steps, modes interleaved round by round).
 The host ms include the CPU arithmetic of torch's layers on the tiny inputs
 (the same in every mode); kernels stubbed out leave uninitialised outputs,
@@ -94,34 +96,27 @@ class _StubDriver:
         return torch.device("cpu")
 
 
+_STUB_PLANS: dict = {}
+
+
 @contextlib.contextmanager
-def triton_path(launches: str) -> Iterator[collections.Counter]:
+def triton_path(launches: str, *, count: bool = True) -> Iterator[collections.Counter]:
     """tfuse's ops on their Triton path on CPU tensors; ``launches`` is ``"stub"`` or ``"noop"``.
 
-    Yields a counter of launches by kernel name (filled in either mode).
+    Yields a counter of launches by kernel name, filled in either mode unless
+    ``count`` is False (timing the stub path: a counter would add its own cost
+    to each launch; no-op launches are counted always, that is all they do).
     """
     import triton.runtime.jit as jit
     from triton.runtime.driver import driver
 
     from tfuse import _launch
-    from tfuse._backend import Backend
-
-    from .roofline import patched_launchers
 
     counts: collections.Counter = collections.Counter()
-    replacements: dict[str, Any] = {
-        "select_backend": lambda device, op: Backend.TRITON,
-        "target_programs": lambda device: 4 * SM_COUNT,
-        "gpu_sm_count": lambda device: SM_COUNT,
-        "resident_programs": lambda kernel, args, meta, device: 4 * SM_COUNT,
-        "_resident": lambda kernel, args, meta, device: 4 * SM_COUNT,
-    }
-    if launches == "noop":
 
-        def no_launch(kernel, grid, args, meta, device, *cache):  # noqa: ANN001, ANN202
-            counts[_launch.kernel_name(kernel)] += 1
+    def tally(kernel, grid, args, meta, device):  # noqa: ANN001, ANN202
+        counts[_launch.kernel_name(kernel)] += 1
 
-        replacements.update(launch=no_launch, launch_cached=no_launch)
     real_compile = jit.JITFunction._do_compile
 
     def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):  # noqa: ANN001, ANN202
@@ -131,16 +126,69 @@ def triton_path(launches: str) -> Iterator[collections.Counter]:
     jit.JITFunction._do_compile = stub_compile
     previous = driver._active  # (None until a launch asked; reset_active would look for a real driver)
     driver.set_active(_StubDriver())
+    # Prepared launches of stub kernels live in their own table, kept from one block to the next (as a real
+    # process keeps its prepared launches from step to step) and never seen outside these blocks.
+    real_plans, _launch._plans = _launch._plans, _STUB_PLANS
     try:
-        with patched_launchers(replacements):
-            if launches == "stub":  # the real launch path counts its own launches
-                with _launch.count_launches() as counted:
-                    yield counted.by_kernel
-            else:
-                yield counts
+        watching = _launch.watch_launches(tally, run=False) if launches == "noop" else (
+            _launch.watch_launches(tally) if count else contextlib.nullcontext())
+        with _launch.simulate_gpu(SM_COUNT), watching:
+            yield counts
     finally:
         driver._active = previous
         jit.JITFunction._do_compile = real_compile
+        _launch._plans = real_plans
+
+
+# ------------------------------------------------------------------------------ one launch, three ways
+
+
+def launch_micro(repeats: int = 2000, rounds: int = 5) -> list[dict[str, Any]]:
+    """Host us per launch of tfuse's kernels into the stub driver, three ways, side by side.
+
+    The launches are those of a training-mode batch norm forward (ResNet-50's
+    shape at tiny width: statistics, merge, normalise; 7-15 runtime arguments,
+    6-11 meta-parameters) and an n-ary add. Per launch, medians over
+    ``rounds`` interleaved rounds of ``repeats`` launches:
+
+    * ``triton``: ``kernel[grid](*args, **meta)``, Triton's own launch path;
+    * ``launch()``: :func:`tfuse._launch.launch`, the seam every op uses
+      (site lookup by grid and meta, then the prepared launch);
+    * ``plan``: a :class:`tfuse._launch.LaunchPlan` held by the op (batch
+      norm's plans hold one per pass): the prepared launch alone.
+
+    No counter or watcher is open (each would add its own cost to a launch).
+    """
+    import tfuse
+    from tfuse import _launch
+
+    x = torch.randn(2, 64, 8, 8).to(memory_format=torch.channels_last)
+    w, b, mean, var = torch.ones(64), torch.zeros(64), torch.zeros(64), torch.ones(64)
+    seen: list[tuple] = []
+    rows = []
+    with triton_path("stub", count=False):
+        with _launch.watch_launches(lambda *launch: seen.append(launch)):
+            tfuse.functional.batch_norm_act(x, mean, var, w, b, training=True)
+            tfuse.add(x, x, x)
+        for kernel, grid, args, meta, device in seen:
+            plan = _launch.LaunchPlan(kernel, grid, meta)
+            ways = {
+                "triton": lambda: kernel[grid](*args, **meta),
+                "launch()": lambda: _launch.launch(kernel, grid, args, meta, device),
+                "plan": lambda: plan(args, device),
+            }
+            samples: dict[str, list[float]] = {way: [] for way in ways}
+            for _ in range(rounds):
+                for way, call in ways.items():
+                    for _ in range(20):
+                        call()
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        call()
+                    samples[way].append((time.perf_counter() - start) / repeats * 1e6)
+            rows.append({"kernel": _launch.kernel_name(kernel), "args": len(args), "meta": len(meta),
+                         **{way: statistics.median(values) for way, values in samples.items()}})
+    return rows
 
 
 # ------------------------------------------------------------------------------ counting aten ops
@@ -175,15 +223,15 @@ def census(model: str, layout: str, batch: int, *, rounds: int, steps: int) -> l
     base = load.make_base()
     eager_step, eager_keep, _ = _build_step("eager", load, copy.deepcopy(base), graphed=False)
     tfuse_step, tfuse_keep, note = _build_step("tfuse", load, copy.deepcopy(base), graphed=False)
-    modes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-        "eager": (eager_step, contextlib.nullcontext),
-        "tfuse (Triton launch path)": (tfuse_step, lambda: triton_path("stub")),
-        "tfuse (launches as no-ops)": (tfuse_step, lambda: triton_path("noop")),
+    modes: dict[str, tuple[Callable[[], Any], Callable[..., Any]]] = {
+        "eager": (eager_step, lambda count: contextlib.nullcontext()),
+        "tfuse (Triton launch path)": (tfuse_step, lambda count: triton_path("stub", count=count)),
+        "tfuse (launches as no-ops)": (tfuse_step, lambda count: triton_path("noop", count=count)),
     }
     rows: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
     for mode, (step, context) in modes.items():
-        with context() as launches:
+        with context(True) as launches:
             for _ in range(2):  # warm-up: caches, kernel specialisations, optimizer state
                 step()
             launches_before = collections.Counter(launches) if launches is not None else collections.Counter()
@@ -198,7 +246,7 @@ def census(model: str, layout: str, batch: int, *, rounds: int, steps: int) -> l
         }
     for _ in range(rounds):
         for mode, (step, context) in modes.items():
-            with context():
+            with context(False):
                 for _ in range(steps):
                     start = time.perf_counter()
                     step()
@@ -238,6 +286,8 @@ def run(ctx: Any) -> Any:
     if done.returncode != 0:
         raise RuntimeError(f"benchmarks.host failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    micro = [row for row in rows if row.get("micro")]
+    rows = [row for row in rows if not row.get("micro")]
     for row in rows:  # (the launches by kernel are not in the table: one line each on stderr)
         print(f"[host] {row['model']}, {row['mode']}: launches by kernel {json.dumps(row['launches_by_kernel'])}",
               file=sys.stderr, flush=True)
@@ -245,7 +295,7 @@ def run(ctx: Any) -> Any:
         row["plot"] = False
     return Report(
         name=NAME, title="Host census: one training step's launches, aten ops and host time, on the CPU",
-        notes=NOTES + [f"torch {torch.__version__}, triton {_triton_version()}."], rows=rows,
+        notes=NOTES + [_micro_note(micro), f"torch {torch.__version__}, triton {_triton_version()}."], rows=rows,
         columns=[Column("model", "model"), Column("mode", "mode"), Column("triton_launches", "Triton launches"),
                  Column("aten_ops", "aten ops (not views)"), Column("copies", "of them copy_"),
                  Column("host", "host ms/step, median (q1-q3)"), Column("vs_eager", "x eager", "{:.2f}")],
@@ -258,13 +308,32 @@ NOTES = [
     "Models at reduced width on tiny inputs (benchmarks/e2e_models.py, scale tiny, batch 2): ResNet-50 "
     "(channels_last), MobileNetV2 (channels_last), a GPT-2 stack (2 blocks, d=64, 32 tokens); the step of the "
     "end-to-end benchmark (bf16 autocast, loss, backward, clip to norm 1, optimizer step).",
-    "tfuse (Triton launch path): tfuse's ops on their Triton path; each launch goes through Triton's Python launch "
-    "path into a stubbed driver (the C launcher is not called, kernels do not run). tfuse (launches as no-ops): "
+    "tfuse (Triton launch path): tfuse's ops on their Triton path, launched as on a GPU into a stubbed driver: the "
+    "first launch of each specialisation through Triton's Python launch path, later ones as tfuse's prepared "
+    "launches; the compiled kernel's launcher is a no-op (on a GPU it is Triton's launcher object, a few us of "
+    "Python plus cuLaunchKernel, for every library alike), kernels do not run. tfuse (launches as no-ops): "
     "launches replaced by a counter. Host ms include torch's CPU arithmetic on the tiny inputs, the same in every "
     "mode.",
-    "aten ops (not views): what runs through the dispatcher per step, each about one CUDA kernel on a GPU; copy_ "
-    "among them includes the gradient copies into flat buffers.",
+    "aten ops (not views): what runs through the dispatcher per step, each about one CUDA kernel on a GPU. "
+    "copy_ among them: gradients accumulate in the flat buffers (autograd's add_, no copy); the one copy_ left in "
+    "the CNNs is the backward of a view of the classifier's input.",
 ]
+
+
+def _micro_note(micro: list[dict[str, Any]]) -> str:
+    """The launch micro-benchmark (:func:`launch_micro`) as one note."""
+    if not micro:
+        return "Launch micro-benchmark: not run (--counts-only)."
+    cells = "; ".join(
+        f"{row['kernel']} ({row['args']} args, {row['meta']} meta): Triton {row['triton']:.1f}, "
+        f"launch() {row['launch()']:.1f}, plan {row['plan']:.1f}"
+        for row in micro
+    )
+    return (
+        "Launch micro-benchmark (host us per launch into the stub driver, medians of interleaved rounds; "
+        "Triton: its own launch path; launch(): tfuse's seam, site lookup + prepared launch; plan: a prepared "
+        f"launch held by the op, as batch norm's plans hold them): {cells}."
+    )
 
 
 def _triton_version() -> str:
@@ -287,6 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_compiled_mode()
     torch.set_flush_denormal(True)  # stubbed kernels leave garbage: keep denormal arithmetic out of the timings
     rounds, steps = (0, 0) if args.counts_only else ((1, 2) if args.quick else (7, 5))
+    if not args.counts_only:
+        for row in launch_micro(repeats=200 if args.quick else 2000, rounds=2 if args.quick else 7):
+            if args.json:
+                print(json.dumps({"micro": True, **row}), flush=True)
+            else:
+                print(f"launch of {row['kernel']:26} Triton {row['triton']:6.1f} us, launch() {row['launch()']:5.1f} "
+                      f"us, plan {row['plan']:5.1f} us", flush=True)
     wanted = args.models.split(",")
     for model, layout, batch in MODELS:
         if model not in wanted:
