@@ -9,7 +9,8 @@ and the stub records what each launch was given. Checks, printing ``ok``:
   the repeat's own tensors (new data pointers);
 * a changed dtype, an unaligned view, an integer that becomes 1 or a
   multiple of 16, a tuple of another length, None for a tensor: Triton's
-  path again (a new specialisation), with the right arguments;
+  path again (a new specialisation), with the right arguments; an
+  unaligned tensor's launch is prepared for unaligned pointers only;
 * launches on another device index do not reuse a prepared launch;
 * a LaunchPlan held by an op behaves the same; counting and watching still see every launch.
 """
@@ -40,7 +41,7 @@ bound = collections.Counter()  # launches that went through Triton's own path
 
 class RecordingKernel(host._StubKernel):
     def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
-        launched.append(((gx, gy, gz), args))
+        launched.append(((gx, gy, gz), args, self))
 
 
 real_run = _scale_kernel.run
@@ -60,7 +61,7 @@ def go(x, pair, n, alpha=0.5, index=None):
     before = bound["triton"]
     dev = device if index is None else torch.device("cpu", index)
     _launch.launch(_scale_kernel, (3, 2), (x, pair, n, alpha), meta, dev)
-    grid, args = launched[-1]
+    grid, args, _ = launched[-1]
     assert grid == (3, 2, 1), grid
     assert args[0] is x and args[1] is pair and args[2] == n, "the launch was handed other arguments"
     assert args[4:] == (64, True), f"constexprs passed after the runtime arguments: {args[4:]}"
@@ -83,10 +84,14 @@ with host.triton_path("stub", count=False):
         c, d = torch.ones(64), torch.ones(64)
         assert go(c, (c, d), 100) == "prepared"  # same specialisation, other tensors
         assert go(c, (c, d), 101) == "prepared"  # an integer of the same class
+        aligned_kernel = launched[-1][2]
         assert go(c.double(), (c, d), 100) == "triton"  # another dtype
         assert go(c.double(), (c, d), 100) == "prepared"  # ... prepared in its turn
-        assert go(c[1:], (c, d), 100) == "triton"  # an unaligned view
-        assert go(c[1:], (c, d), 100) == "triton"  # ... never prepared (Triton decides per pointer)
+        assert go(c[1:], (c, d), 100) == "triton"  # an unaligned view: Triton compiles it apart
+        unaligned_kernel = launched[-1][2]
+        assert unaligned_kernel is not aligned_kernel
+        assert go(c[2:], (c, d), 100) == "prepared" and launched[-1][2] is unaligned_kernel  # unaligned pointers
+        assert go(c, (c, d), 100) == "prepared" and launched[-1][2] is aligned_kernel  # aligned: the aligned kernel
         assert go(c, (c, d[1:]), 100) == "triton"  # inside a tuple
         assert go(c, (c, d), 1) == "triton"  # an integer that became 1
         assert go(c, (c, d), 96) == "triton"  # ... a multiple of 16

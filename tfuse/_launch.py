@@ -255,9 +255,8 @@ def _prepare(
     alignment, each integer's class (1, a multiple of 16, 64-bit) and every
     other argument's type. The check is generated as straight-line code for
     the argument list (as Triton generates its own binder). None under
-    Triton's interpreter (nothing compiled), for a Triton whose compiled
-    kernels lack the launcher attributes, and when a tensor was not 16-byte
-    aligned (a specialisation later calls should not reuse).
+    Triton's interpreter (nothing compiled) and for a Triton whose compiled
+    kernels lack the launcher attributes.
     """
     if compiled is None or not hasattr(compiled, "run"):
         return None
@@ -268,8 +267,6 @@ def _prepare(
         unpacked = ", ".join(f"a{i}" for i in range(len(args))) + ","
         names: dict[str, Any] = {}
         checks = [_check(f"a{position}", value, names) for position, value in enumerate(args)]
-        if None in checks:
-            return None  # an unaligned tensor: not a specialisation to reuse
         defaults = {name: p.default for name, p in kernel.signature.parameters.items()}
         later = list(kernel.arg_names)[len(args) :]  # every parameter after the runtime ones is a constexpr
         constants = tuple(meta[name] if name in meta else defaults[name] for name in later)
@@ -314,20 +311,20 @@ def prepared(args, index):
         return None
 
 
-def _check(expr: str, value: Any, names: dict[str, Any]) -> str | None:
+def _check(expr: str, value: Any, names: dict[str, Any]) -> str:
     """Python source that is true when the argument ``expr`` is *not* of ``value``'s specialisation.
 
-    Tensors: dtype and 16-byte alignment; integers: :func:`_int_class`;
-    tuples: their length and each element, recursively (Triton specialises
-    inside tuples too); None: None; anything else: its type. None (not a
-    string) when ``value`` holds an unaligned tensor. Objects the check
-    compares against go into ``names``.
+    Tensors: dtype and 16-byte alignment (aligned, or not: Triton compiles
+    each case apart); integers: :func:`_int_class`; tuples: their length and
+    each element, recursively (Triton specialises inside tuples too); None:
+    None; anything else: its type. Objects the check compares against go
+    into ``names``.
     """
     if isinstance(value, torch.Tensor):
-        if value.data_ptr() % 16:
-            return None
         name = f"dtype{len(names)}"
         names[name] = value.dtype
+        if value.data_ptr() % 16:  # compiled without the alignment hint: reused for unaligned pointers only
+            return f"{expr}.dtype is not {name} or not {expr}.data_ptr() & 15"
         return f"{expr}.dtype is not {name} or {expr}.data_ptr() & 15"
     if type(value) is int:
         return f"type({expr}) is not int or _int_class({expr}) != {_int_class(value)}"
@@ -335,11 +332,7 @@ def _check(expr: str, value: Any, names: dict[str, Any]) -> str | None:
         return f"{expr} is not None"
     if type(value) is tuple:
         parts = [f"type({expr}) is not tuple or len({expr}) != {len(value)}"]
-        for i, item in enumerate(value):
-            part = _check(f"{expr}[{i}]", item, names)
-            if part is None:
-                return None
-            parts.append(part)
+        parts += [_check(f"{expr}[{i}]", item, names) for i, item in enumerate(value)]
         return " or ".join(f"({part})" for part in parts)
     name = f"type{len(names)}"
     names[name] = type(value)
