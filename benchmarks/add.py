@@ -51,7 +51,9 @@ def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
     # Per-channel bias + residual over 14x14 and 7x7 pixels (not multiples of 16:
     # the wide-column path of tfuse/ops/_tiles.py), from a few MB to ResNet-50 batch 256.
     batches = ([16, 64, 256] if on_gpu else [4, 16]) if not ctx.quick else [1]
-    for channels, pixels in ((1024, 14), (2048, 7)):
+    # A CPU smoke run checks the same wide-column path through the interpreter with fewer channels.
+    shapes = ((64, 14), (128, 7)) if ctx.quick and not on_gpu else ((1024, 14), (2048, 7))
+    for channels, pixels in shapes:
         benches.append(
             triton.testing.Benchmark(
                 x_names=["numel"], x_vals=[n * channels * pixels * pixels for n in batches],
