@@ -147,21 +147,7 @@ def launch(
     device, so tensors on another GPU (``cuda:1`` while ``cuda:0`` is
     current) have the device switched around the launch.
     """
-    if _watchers:
-        for watcher, _ in tuple(_watchers):
-            watcher(kernel, grid, args, meta, device)
-    if _launching:
-        index = device.index
-        if index is not None and device.type == "cuda" and index != torch.cuda.current_device():
-            with torch.cuda.device(index):
-                _launch_here(kernel, grid, args, meta, index)
-        else:
-            _launch_here(kernel, grid, args, meta, index)
-    if _active:
-        name = kernel_name(kernel)
-        with _lock:
-            for counter in _active:
-                counter.by_kernel[name] += 1
+    _plan_of_site(kernel, grid, meta, device.index)(args, device)
 
 
 #: (kernel, grid, device index, meta values) -> the LaunchPlan of that site.
@@ -172,19 +158,18 @@ MAX_SPECIALISATIONS = 8
 MAX_SITES = 4096
 
 
-def _launch_here(kernel: Any, grid: tuple, args: tuple, meta: dict, index: int | None) -> None:
-    """Launches on the current device through the site's plan (Triton's path for an unhashable site)."""
+def _plan_of_site(kernel: Any, grid: Any, meta: dict, index: int | None) -> LaunchPlan:
+    """The kept plan of a launch site; a plan of its own for an unhashable site (Triton's path every time)."""
     try:
         site = (kernel, grid, index, *meta.values())
         plan = _plans.get(site)
-    except TypeError:  # a callable grid or an unhashable meta value: Triton's path every time
-        kernel[grid](*args, **meta)
-        return
+    except TypeError:  # a callable grid or an unhashable meta value: nothing to key a plan on
+        return LaunchPlan(kernel, grid, meta)
     if plan is None:
         if len(_plans) >= MAX_SITES:
             _plans.clear()
         plan = _plans[site] = LaunchPlan(kernel, grid, meta)
-    plan.launch_here(args, index)
+    return plan
 
 
 class LaunchPlan:
@@ -208,9 +193,9 @@ class LaunchPlan:
 
     __slots__ = ("grid", "kernel", "meta", "name", "prepared")
 
-    def __init__(self, kernel: Any, grid: tuple[int, ...], meta: dict[str, Any]) -> None:
+    def __init__(self, kernel: Any, grid: Any, meta: dict[str, Any]) -> None:
         self.kernel = kernel
-        self.grid = tuple(grid)
+        self.grid = grid if callable(grid) else tuple(grid)
         self.meta = meta
         self.prepared: list[Callable[[tuple, int | None], bool]] = []
         self.name = kernel_name(kernel)
