@@ -63,7 +63,7 @@ def add(*tensors: torch.Tensor) -> torch.Tensor:
     backend = select_backend(device, "add", shape.numel())
     log_backend_once(_log, "add", backend, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _AddFunction.apply(backend, shape, dtype, *tensors)
+        return _add_op.apply(list(tensors), shape=shape, dtype=dtype, backend=backend)
     return add_forward(tensors, shape, dtype, backend)
 
 
@@ -118,50 +118,36 @@ def sum_to_input(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> t
     return grad.to(dtype)
 
 
-class _AddFunction(torch.autograd.Function):
-    """Autograd for :func:`add`. Saves only the inputs' shapes and dtypes.
-
-    Backward is made of differentiable torch ops (a sum over broadcast
-    dimensions and a cast) on both backends, so double backward
-    (``create_graph=True``) works as for torch's add.
-    """
-
-    @staticmethod
-    def forward(ctx, backend: Backend, shape: torch.Size, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
-        return add_forward(tensors, shape, dtype, backend)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        grads = [
-            sum_to_input(grad_out, shape, dtype) if needed else None
-            for (shape, dtype), needed in zip(ctx.input_meta, ctx.needs_input_grad[3:])
-        ]
-        return (None, None, None, *grads)
+# ---------------------------------------------------------------------------- the op: eager Function and torch.library
 
 
-# ---------------------------------------------------------------------------- the torch.library op
-
-
-@tfuse_op("tfuse::add")
-def _add_op(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.ops.tfuse.add``: :func:`add` as a registered op (arguments checked by the caller)."""
-    device = tensors[0].device
-    shape = broadcast_shape("add", [t.shape for t in tensors])
-    backend = op_backend(device, "add", tensors[0], shape.numel())
-    return add_forward(tensors, shape, promote_float_dtypes(tensors), backend)
-
-
-def _add_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _add_setup(ctx, inputs, output, **_) -> None:  # type: ignore[no-untyped-def]
+    """Saves only the inputs' shapes and dtypes."""
     (tensors,) = inputs
     ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
 
 
 def _add_backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Differentiable torch ops (a sum over broadcast dimensions and a cast) on both backends, so double
+    backward (``create_graph=True``) works as for torch's add."""
     needed = ctx.needs_input_grad[0]  # one flag per tensor of the list
     return [
         sum_to_input(grad_out, shape, dtype) if need else None for (shape, dtype), need in zip(ctx.input_meta, needed)
     ]
 
 
-_add_op.register_autograd(_add_backward, setup_context=_add_setup)
+@tfuse_op("tfuse::add", setup_context=_add_setup, backward=_add_backward)
+def _add_op(
+    tensors: list[torch.Tensor],
+    *,
+    shape: torch.Size | None = None,
+    dtype: torch.dtype | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """``torch.ops.tfuse.add``: :func:`add` as an op (arguments checked by the caller; the eager caller
+    passes the broadcast shape, result dtype and backend it worked out)."""
+    if shape is None:
+        shape = broadcast_shape("add", [t.shape for t in tensors])
+    if backend is None:
+        backend = op_backend(tensors[0].device, "add", tensors[0], shape.numel())
+    return add_forward(tensors, shape, promote_float_dtypes(tensors) if dtype is None else dtype, backend)

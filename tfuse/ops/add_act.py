@@ -161,7 +161,7 @@ def add_act(
     log_backend_once(_log, "add_act", backend, device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _AddActFunction.apply(spec, dtype, *tensors)
+        return _add_act_op.apply(list(tensors), spec.act, spec.negative_slope, spec=spec, dtype=dtype)
     return add_act_forward(tensors, dtype, spec)
 
 
@@ -182,7 +182,7 @@ def linear_epilogue(
     log_backend_once(_log, "add_act", backend, product.device)
     spec = _ActSpec(act, negative_slope, backend, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _AddActFunction.apply(spec, product.dtype, *tensors)
+        return _add_act_op.apply(list(tensors), act, negative_slope, spec=spec, dtype=product.dtype)
     return add_act_forward(tensors, product.dtype, spec)
 
 
@@ -212,7 +212,7 @@ def _check_inplace(act: Activation, negative_slope: float, tensors: Sequence[tor
 class _ActSpec:
     act: Activation
     negative_slope: float
-    backend: Backend
+    backend: Backend | None  # None: not chosen by the caller (the registered op chooses where it runs)
     inplace: bool = False
 
 
@@ -270,35 +270,6 @@ def _sum_torch(tensors: Sequence[torch.Tensor], acc: torch.dtype, fresh: bool = 
     if len(tensors) == 1:
         return tensors[0].to(acc, copy=fresh)
     return add_forward(tensors, tensors[0].shape, acc, Backend.TORCH)
-
-
-class _AddActFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, spec: _ActSpec, dtype: torch.dtype, *tensors: torch.Tensor):  # type: ignore[override]
-        out = add_act_forward(tensors, dtype, spec)
-        if spec.inplace:
-            ctx.mark_dirty(out)
-        ctx.spec = spec
-        ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
-        ctx.out_layout = (out.shape, out.stride())
-        ctx.grad_source = spec.act.grad_source(spec.negative_slope)
-        if ctx.grad_source is GradSource.NONE:
-            ctx.save_for_backward()
-        elif ctx.grad_source is GradSource.OUTPUT:
-            ctx.save_for_backward(out)
-        else:
-            ctx.save_for_backward(*tensors)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        needed = ctx.needs_input_grad[2:]
-        saved = ctx.saved_tensors
-        if ctx.spec.backend is Backend.TRITON and not torch.is_grad_enabled():
-            grads = _backward_triton(ctx, grad_out, saved, needed)
-        else:
-            grads = _backward_torch(ctx, grad_out, saved, needed)
-        return (None, None, *grads)
 
 
 def _backward_torch(ctx, grad_out: torch.Tensor, saved: Sequence[torch.Tensor], needed: Sequence[bool]) -> list:
@@ -620,17 +591,9 @@ def _add_act_traced(tensors: Sequence[torch.Tensor], act: Activation, negative_s
     return tensors[0].copy_(y) if inplace else y
 
 
-@tfuse_op("tfuse::add_act")
-def _add_act_op(tensors: list[torch.Tensor], act: int, negative_slope: float) -> torch.Tensor:
-    """``torch.ops.tfuse.add_act``: ``act(sum(tensors))`` (:func:`add_act`; arguments checked by the caller)."""
-    backend = op_backend(tensors[0].device, "add_act", tensors[0])
-    spec = _ActSpec(Activation(act), negative_slope, backend)
-    return add_act_forward(tensors, promote_float_dtypes(tensors), spec)
-
-
 @dataclasses.dataclass
 class _BackwardArgs:
-    """What the backward functions read (the fields an autograd ctx of :class:`_AddActFunction` has)."""
+    """What the backward functions read (the fields :func:`_add_act_setup` puts on an autograd ctx)."""
 
     spec: _ActSpec
     input_meta: list[tuple[torch.Size, torch.dtype]]
@@ -704,11 +667,20 @@ def _add_act_backward_op(
     return result
 
 
-def _add_act_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _add_act_setup(ctx, inputs, output, spec: _ActSpec | None = None, dtype: torch.dtype | None = None) -> None:  # type: ignore[no-untyped-def]
+    """What backward reads: the activation, the inputs' shapes and dtypes, the output's layout, and the
+    tensors the activation's derivative follows from (nothing, the output, or the inputs).
+
+    ``spec``: the eager caller's (its backend, and ``inplace``, which marks x dirty); None for the
+    registered op, whose backward goes through ``torch.ops.tfuse.add_act_backward``.
+    """
     tensors, act, negative_slope = inputs
-    activation = Activation(act)
-    ctx.act, ctx.negative_slope = activation, negative_slope
-    ctx.grad_source = activation.grad_source(negative_slope)
+    if spec is None:
+        spec = _ActSpec(Activation(act), negative_slope, None)
+    elif spec.inplace:
+        ctx.mark_dirty(output)
+    ctx.spec = spec
+    ctx.grad_source = spec.act.grad_source(spec.negative_slope)
     ctx.input_meta = [(t.shape, t.dtype) for t in tensors]
     ctx.out_layout = (output.shape, output.stride())
     if ctx.grad_source is GradSource.OUTPUT:
@@ -718,17 +690,22 @@ def _add_act_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 
 def _add_act_backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The gradients of add_act's inputs: differentiable torch ops under ``create_graph=True``; the
+    eager caller's backend straight from Python; the backward op when traced (or for the registered op)."""
     needed = list(ctx.needs_input_grad[0])
     saved = ctx.saved_tensors
+    spec = ctx.spec
     if torch.is_grad_enabled():  # create_graph=True: differentiable torch ops (see _backward_torch)
-        args = _BackwardArgs(_ActSpec(ctx.act, ctx.negative_slope, Backend.TORCH), *_meta_of(ctx))
-        return _backward_torch(args, grad_out, saved, needed), None, None
+        return _backward_torch(ctx, grad_out, saved, needed), None, None
+    if spec.backend is not None and not compiling():
+        backward = _backward_triton if spec.backend is Backend.TRITON else _backward_torch
+        return backward(ctx, grad_out, saved, needed), None, None
     out_shape, out_strides = ctx.out_layout
-    slots = torch.ops.tfuse.add_act_backward(
+    slots = _add_act_backward_op.call(
         grad_out,
         list(saved),
-        int(ctx.act),
-        ctx.negative_slope,
+        int(spec.act),
+        spec.negative_slope,
         list(out_shape),
         list(out_strides),
         [size for shape, _ in ctx.input_meta for size in shape],
@@ -743,8 +720,20 @@ def _add_act_backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-d
     return grads, None, None
 
 
-def _meta_of(ctx) -> tuple:  # type: ignore[no-untyped-def]
-    return ctx.input_meta, ctx.out_layout, ctx.grad_source
+@tfuse_op("tfuse::add_act", setup_context=_add_act_setup, backward=_add_act_backward)
+def _add_act_op(
+    tensors: list[torch.Tensor],
+    act: int,
+    negative_slope: float,
+    *,
+    spec: _ActSpec | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``torch.ops.tfuse.add_act``: ``act(sum(tensors))`` (:func:`add_act`; arguments checked by the caller).
 
-
-_add_act_op.register_autograd(_add_act_backward, setup_context=_add_act_setup)
+    The eager caller passes its ``spec`` (activation, backend, inplace) and the result ``dtype``.
+    """
+    if spec is None:
+        backend = op_backend(tensors[0].device, "add_act", tensors[0])
+        spec = _ActSpec(Activation(act), negative_slope, backend)
+    return add_act_forward(tensors, promote_float_dtypes(tensors) if dtype is None else dtype, spec)

@@ -228,10 +228,12 @@ def _batch_norm_act_triton(
         bool(training) and running_mean is not None,
         channels,
     )
+    plan = _plan_of(spec, x, weight, bias, residual, running_mean, running_var) if x.numel() else None
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _BatchNormActFunction.apply(spec, x, weight, bias, residual, running_mean, running_var)
-    return _forward(spec, x, weight, bias, residual, running_mean, running_var)[0]
+        args = (x, weight, bias, residual, running_mean, running_var, training, momentum, eps, act, negative_slope)
+        return _batch_norm_act_op.apply(*args, spec=spec, plan=plan)[0]
+    return _forward(spec, plan, x, weight, bias, residual, running_mean, running_var)[0]
 
 
 _PER_CHANNEL = ("running_mean", "running_var", "weight", "bias")
@@ -842,13 +844,13 @@ def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
     return plan
 
 
-def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, running_var):
-    """Runs the forward kernels; returns (y, stats, plan): stats is the [4, C] table + partials (None in eval)."""
+def _forward(spec: _BatchNormSpec, plan: _ForwardPlan | None, x, weight, bias, residual, running_mean, running_var):
+    """Runs the forward kernels of ``plan`` (:func:`_plan_of`; None for an empty x); returns (y, stats):
+    stats is the [4, C] table + partials (None in eval)."""
     y = torch.empty_like(x, dtype=_out_dtype(x, residual))  # x is dense, so y gets exactly its layout
     if x.numel() == 0:
-        return y, None, None
+        return y, None
     device = x.device
-    plan = _plan_of(spec, x, weight, bias, residual, running_mean, running_var)
     res = residual if residual is not None else x
     normalise = plan.normalise
     if spec.use_batch_stats:
@@ -873,7 +875,7 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
             (x, res, y, buf, buf, buf, buf, *normalise.ints, *spec.eps_split, *spec.slope_split),
             device,
         )
-        return y, buf, plan
+        return y, buf
     normalise(
         (
             x,
@@ -889,7 +891,7 @@ def _forward(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
         ),
         device,
     )
-    return y, None, plan
+    return y, None
 
 
 def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bias, needs, dres_dtype) -> _BackwardPlan:
@@ -971,45 +973,6 @@ def _backward_plan(spec, geometry, x, dy, src, residual, stats_table, weight, bi
         )
     buf_size = (5 + 2 * chunks + 2 * blocks) * geometry.channels
     return _BackwardPlan(acc, buf_size, reduce, dx, from_dz, _counters(n_counters, x.device) if merge else None)
-
-
-class _BatchNormActFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, spec, x, weight, bias, residual, running_mean, running_var):  # type: ignore[override]
-        y, stats, plan = _forward(spec, x, weight, bias, residual, running_mean, running_var)
-        ctx.spec = spec
-        ctx.plan = plan
-        ctx.has_residual = residual is not None
-        ctx.residual_dtype = residual.dtype if residual is not None else None
-        src = y if spec.from_output else residual
-        if spec.use_batch_stats:
-            # The [4, C] statistics table (+ the forward's partials) is an
-            # intermediate of this op: kept on ctx, not among the saved tensors.
-            ctx.stats = stats
-            ctx.save_for_backward(x, weight, bias, src)
-        else:
-            ctx.stats = None
-            ctx.save_for_backward(x, weight, bias, src, running_mean, running_var)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        spec = ctx.spec
-        x, weight, bias, src, *running = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:5]
-        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
-            return (
-                None,
-                *_backward_differentiable(spec, dy, x, weight, bias, src, running, ctx.residual_dtype, needs),
-                None,
-                None,
-            )
-        residual = src if (ctx.has_residual and not spec.from_output) else None
-        stats = ctx.stats if spec.use_batch_stats else None
-        grads = _backward_kernels(
-            spec, ctx.plan, dy, x, weight, bias, src, residual, stats, running, needs, ctx.residual_dtype
-        )
-        return None, *grads, None, None
 
 
 def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, running, needs, residual_dtype) -> tuple:
@@ -1153,7 +1116,74 @@ def _batch_norm_act_traced(
     return y
 
 
-@tfuse_op("tfuse::batch_norm_act")
+def _batch_norm_act_setup(ctx, inputs, output, spec=None, plan=None) -> None:  # type: ignore[no-untyped-def]
+    """Keeps what backward reads: x, the affine parameters, the output (activations whose derivative
+    follows from it) or the residual, the forward's statistics table (training) or the running
+    statistics (eval). ``spec``, ``plan``: the eager Triton caller's, whose backward reuses the plan."""
+    x, weight, bias, residual, running_mean, running_var, training, _, eps, act, negative_slope = inputs
+    y = output[0]
+    stats = output[1] if len(output) > 1 else None
+    ctx.set_materialize_grads(False)  # the statistics outputs get no gradient: no zero tensors for them
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.eager = spec is not None
+    if spec is None:
+        spec = _spec(Activation(act), negative_slope, eps, 0.0, training, False, int(x.shape[1]))
+    ctx.spec, ctx.plan = spec, plan
+    ctx.has_residual = residual is not None
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    src = y if spec.from_output else residual
+    running = (running_mean, running_var) if not spec.use_batch_stats else ()
+    if ctx.eager:
+        # The eager statistics buffer ([4, C] table + the forward's partials) is this op's intermediate:
+        # kept on ctx, not among the saved tensors (which hold only x-sized and per-channel tensors).
+        ctx.stats = stats
+        ctx.save_for_backward(x, weight, bias, src, *running)
+    else:
+        ctx.save_for_backward(x, weight, bias, src, stats, *running)
+
+
+def _batch_norm_act_backward(ctx, dy, *_):  # type: ignore[no-untyped-def]
+    """(dx, dweight, dbias, dresidual): differentiable torch ops under ``create_graph=True``; the eager
+    caller's plan straight from Python; the backward op when traced (or for the registered op)."""
+    if dy is None:  # no gradient reached y (grads are not materialised): none for the inputs either
+        return (None,) * 11
+    if ctx.eager:
+        x, weight, bias, src, *running = ctx.saved_tensors
+        stats = ctx.stats
+    else:
+        x, weight, bias, src, stats, *running = ctx.saved_tensors
+    spec = ctx.spec
+    needs = tuple(ctx.needs_input_grad[:4])
+    if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+        filled = _affine(weight, bias)
+        grads = _backward_differentiable(spec, dy, x, *filled, src, tuple(running), ctx.residual_dtype, needs)
+    elif ctx.eager and not compiling():
+        residual = src if (ctx.has_residual and not spec.from_output) else None
+        grads = _backward_kernels(
+            spec, ctx.plan, dy, x, weight, bias, src, residual, stats, running, needs, ctx.residual_dtype
+        )
+    else:  # the op's gradients are empty tensors where not needed
+        grads = _batch_norm_act_backward_op.call(
+            dy,
+            x,
+            weight,
+            bias,
+            src,
+            stats if stats is not None else x.new_empty(0, dtype=torch.float32),
+            running[0] if running else None,
+            running[1] if running else None,
+            spec.use_batch_stats,
+            spec.eps,
+            int(spec.act),
+            spec.negative_slope,
+            -1 if ctx.residual_dtype is None else dtype_code(ctx.residual_dtype),
+            list(needs),
+        )
+        grads = tuple(g if need else None for g, need in zip(grads, needs))
+    return (*grads, None, None, None, None, None, None, None)
+
+
+@tfuse_op("tfuse::batch_norm_act", setup_context=_batch_norm_act_setup, backward=_batch_norm_act_backward)
 def _batch_norm_act_op(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -1166,6 +1196,9 @@ def _batch_norm_act_op(
     eps: float,
     act: int,
     negative_slope: float,
+    *,
+    spec: _BatchNormSpec | None = None,
+    plan: _ForwardPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.tfuse.batch_norm_act``: :func:`batch_norm_act` as a functional op (arguments checked
     by the caller).
@@ -1175,7 +1208,14 @@ def _batch_norm_act_op(
     table; empty otherwise); the running statistics updated with
     ``momentum`` in training with running statistics (empty otherwise),
     new tensors, for the caller to copy into its buffers.
+
+    The eager Triton path passes its ``spec`` and ``plan`` (inputs already dense, in a layout the kernels
+    read): the running statistics are then updated in place, as ``F.batch_norm`` does, and the outputs
+    are ``(y, stats)`` in training, ``(y,)`` in eval.
     """
+    if spec is not None:
+        y, stats = _forward(spec, plan, x, weight, bias, residual, running_mean, running_var)
+        return (y,) if stats is None else (y, stats)  # type: ignore[return-value]
     activation = Activation(act)
     backend = op_backend(x.device, "batch_norm_act", x)
     update = training and running_mean is not None
@@ -1210,7 +1250,8 @@ def _batch_norm_act_op(
     if residual is not None:
         residual = _in_layout_of(residual, x)
     spec = _spec(activation, negative_slope, eps, momentum, training, update, int(x.shape[1]))
-    y, stats, _ = _forward(spec, x, weight, bias, residual, mean, var)
+    plan = _plan_of(spec, x, weight, bias, residual, mean, var) if x.numel() else None
+    y, stats = _forward(spec, plan, x, weight, bias, residual, mean, var)
     if stats is None:
         return y, nothing, new_mean, new_var
     return y, stats[: 4 * x.shape[1]], new_mean, new_var  # the table; the partials after it are the forward's own
@@ -1301,48 +1342,3 @@ def _batch_norm_act_backward_op(
             res_dtype,
         )
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # type: ignore[return-value]
-
-
-def _batch_norm_act_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, weight, bias, residual, running_mean, running_var, training, _, eps, act, negative_slope = inputs
-    y, stats, new_mean, new_var = output
-    activation = Activation(act)
-    from_output = activation.grad_source(negative_slope) is not GradSource.INPUT
-    ctx.mark_non_differentiable(stats, new_mean, new_var)
-    ctx.args = (training, eps, activation, negative_slope)
-    ctx.residual_dtype = residual.dtype if residual is not None else None
-    src = y if from_output else residual
-    running = (running_mean, running_var) if not training else ()
-    ctx.save_for_backward(x, weight, bias, src, stats, *running)
-
-
-def _batch_norm_act_backward(ctx, dy, *_):  # type: ignore[no-untyped-def]
-    x, weight, bias, src, stats, *running = ctx.saved_tensors
-    training, eps, activation, negative_slope = ctx.args
-    needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
-    if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
-        spec = _spec(activation, negative_slope, eps, 0.0, training, False, int(x.shape[1]))
-        filled = _affine(weight, bias)
-        grads = _backward_differentiable(spec, dy, x, *filled, src, tuple(running), ctx.residual_dtype, needs)
-    else:
-        grads = torch.ops.tfuse.batch_norm_act_backward(
-            dy,
-            x,
-            weight,
-            bias,
-            src,
-            stats,
-            running[0] if running else None,
-            running[1] if running else None,
-            training,
-            eps,
-            int(activation),
-            negative_slope,
-            -1 if ctx.residual_dtype is None else dtype_code(ctx.residual_dtype),
-            list(needs),
-        )
-    grads = tuple(g if need else None for g, need in zip(grads, needs))
-    return (*grads, None, None, None, None, None, None, None)
-
-
-_batch_norm_act_op.register_autograd(_batch_norm_act_backward, setup_context=_batch_norm_act_setup)
