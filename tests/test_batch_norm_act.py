@@ -579,3 +579,18 @@ def test_resnet_shapes_get_16_byte_alignment(shape, layout, seg, vec):
     assert _SEG_NAMES[tiling.seg] == seg
     assert tiling.red_vec == vec and tiling.ew_vec == vec
     assert tiling.group_width * tiling.groups >= tiling.n_cols > tiling.group_width * (tiling.groups - 1)
+
+
+def test_cumulative_average_keeps_one_plan_and_follows_torch(device, monkeypatch):
+    """momentum=None changes the update factor every step (1 / num_batches_tracked): a runtime argument, so
+    the layer keeps one forward plan (its prepared launches) while its running statistics follow torch's."""
+    monkeypatch.setattr(bn_ops, "_forward_plans", {})
+    fused = FusedBatchNormAct2d(3, act="relu", momentum=None).to(device)
+    reference = torch.nn.BatchNorm2d(3, momentum=None).to(device)
+    for step in range(3):
+        x = torch.randn(4, 3, 2, 2, device=device) * (step + 1) + step
+        y = fused(x)
+        torch.testing.assert_close(y, torch.relu(reference(x)))
+        torch.testing.assert_close(fused.running_mean, reference.running_mean)
+        torch.testing.assert_close(fused.running_var, reference.running_var)
+    assert len(bn_ops._forward_plans) == 1

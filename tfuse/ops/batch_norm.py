@@ -432,6 +432,12 @@ class _BatchNormSpec:
         return self.act.grad_source(self.negative_slope) is not GradSource.INPUT
 
     @functools.cached_property
+    def plan_key(self) -> tuple:
+        """What the launch plans depend on: the kernels' flags, not eps, momentum or the slope's value (runtime
+        arguments), so a layer whose momentum changes every step (momentum=None) keeps its plans."""
+        return (self.act, self.from_output, self.use_batch_stats, self.update_running)
+
+    @functools.cached_property
     def eps_split(self) -> tuple[float, float]:
         """``split_float(eps)``, the kernels' two-float form, computed once per spec."""
         return split_float(self.eps)
@@ -831,7 +837,7 @@ def _plan_of(spec: _BatchNormSpec, x, weight, bias, residual, running_mean, runn
         x.dtype,
         device,
         target_programs(device),
-        spec,
+        spec.plan_key,
         residual is not None and residual.dtype,
         weight is not None and (weight.dtype, bias.dtype),
         running_mean is not None and (running_mean.dtype, running_var.dtype),
