@@ -184,7 +184,7 @@ def _check_call(fn, reference, x: torch.Tensor, w: torch.Tensor, dtype: torch.dt
 
 def _launches(ctx: Context, layer: Layer, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
               channels_last: bool, backward: bool) -> str | None:
-    """Triton launches of forward (+ backward), e.g. '1 + 3'; on a CPU through the interpreter on a small input,
+    """Triton launches of forward (+ backward), e.g. '1 + 2'; on a CPU through the interpreter on a small input,
     whose values are checked against eager on the way."""
     if not ctx.machine.on_gpu:
         if not ctx.machine.interpreted:
@@ -341,7 +341,7 @@ def run(ctx: Context) -> Report:
         "Layers: depthwise convolutions of MobileNetV2 (3x3, ReLU6 before them) and EfficientNet-B0 (5x5, SiLU), "
         "padding k // 2, no bias (batch norm follows them); layer = C x H x W, kernel, stride. eager = the activation "
         "(out of place) then F.conv2d(groups=C); torch.compile compiles that pair (dynamic=False).",
-        "launches: Triton launches of tfuse's Triton path, forward + backward (dx, then dw in two stages).",
+        "launches: Triton launches of tfuse's Triton path, forward + backward (dx, then dw/db in one launch).",
         "kept MB: what autograd keeps for backward per activation + convolution pair (saved_tensors_hooks, distinct "
         "storages; the weight and the output not counted, x counted: it is the previous layer's output, freed when "
         "nothing keeps it). x MB is one x-sized tensor. tfuse keeps x alone. Eager relu keeps only its output, which "

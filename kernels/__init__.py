@@ -40,7 +40,6 @@ _KERNELS = {
     "_bn_act_bwd_reduce_kernel": "batch_norm",
     "_bn_act_fwd_kernel": "batch_norm",
     "_bn_stats_partial_kernel": "batch_norm",
-    "_dw_bwd_dw_final_kernel": "depthwise",
     "_dw_bwd_dw_partial_kernel": "depthwise",
     "_dw_bwd_dx_kernel": "depthwise",
     "_dw_fwd_kernel": "depthwise",

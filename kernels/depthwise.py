@@ -28,17 +28,26 @@ Kernels:
 * ``_dw_bwd_dx_kernel``: one input tile: the transposed gather of
   ``gz = d act_out`` over the taps whose stride lines up, times
   ``w``, then ``act_in'(x)`` (torch's selects for relu & co.).
-* ``_dw_bwd_dw_partial_kernel`` and ``_dw_bwd_dw_final_kernel``: the weight
-  and bias gradients as a two-stage deterministic reduction. Stage 1: one
-  program per (tap, chunk of pixels, channel block) sums ``gz * act_in(x)``
-  over its chunk (the bias "tap" sums ``gz``) into a float32 partial row;
-  stage 2 adds the rows in chunk order and writes ``dw``/``db`` in their dtype.
+* ``_dw_bwd_dw_partial_kernel``: the weight and bias gradients, a deterministic
+  reduction in one launch. One program per (tap, chunk of pixels, channel
+  block) sums ``gz * act_in(x)`` over its chunk (the bias "tap" sums ``gz``)
+  into a float32 partial row; the last program of each (tap, channel block)
+  to finish adds the rows up in chunk order and writes ``dw``/``db`` in their
+  dtype ("last program merges", as batch norm's reductions: kernels/bn_merge.py).
+  Each program stores its partial, then arrives at its (channel block, tap)'s
+  int32 counter: a CTA barrier, then an atomic add with acq_rel semantics at
+  GPU scope, whose release publishes the program's partial and whose acquire,
+  in the program that reads back ``n_chunks - 1``, makes every other chunk's
+  partial visible to it. That program merges and puts the counter back to 0,
+  so the counters need no clearing between launches or CUDA graph replays.
+  Nothing waits for another program, so the grid may take several waves.
 """
 
 import triton
 import triton.language as tl
 
 from .activations import _act_backward_from_output, _activation, _activation_backward
+from .bn_merge import _bn_arrive, _bn_only_if
 from .cast import _cast_to
 from .kit import _acc_dtype, _float_arg
 
@@ -195,21 +204,24 @@ def _dw_bwd_dx_kernel(
 
 @triton.jit
 def _dw_bwd_dw_partial_kernel(
-    gy_ptr, s_ptr, x_ptr, partial_ptr,
+    gy_ptr, s_ptr, x_ptr, partial_ptr, dw_ptr, db_ptr, counter_ptr,
     C, H, W, OH, OW, n_outputs, tiles_per_chunk,
-    sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw,
+    sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw, swc, swh, sww,
     pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
-    ACC_FP64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    MK: tl.constexpr, MERGE_LOOP: tl.constexpr,
 ):
-    """Stage 1 of dw/db: partial[chunk, tap, c] = sum over the chunk's outputs of gz * act_in(x at the tap).
+    """dw/db in one launch: partial[chunk, tap, c] = sum over the chunk's outputs of gz * act_in(x at the tap),
+    then the last program of each (tap, channel block) adds the chunks' partials up and stores dw[c, tap] or db[c].
 
     Axis 0 is the tap (``KH * KW`` of them, plus one for the bias, which sums
     gz alone), so the programs that read one chunk run side by side and share
     its loads in the cache; axis 1 the chunk of flattened (n, oh, ow) outputs,
     axis 2 the channel block. Products accumulate per lane over the chunk and
-    are summed across lanes once, at the end.
+    are summed across lanes once, at the end. counter_ptr: one int32 arrival
+    counter per (channel block, tap), 0 before and after the launch.
     """
     ACC: tl.constexpr = _acc_dtype(ACC_FP64)
     slope = _float_arg(slope_hi, slope_lo, ACC_FP64)  # leaky_relu's, for act_in and act_out alike
@@ -243,34 +255,50 @@ def _dw_bwd_dw_partial_kernel(
         xv = tl.load(x_ptr + n * sxn + ih * sxh + iw * sxw + c * sxc, mask=xm, other=0.0)
         a = tl.where(xm, _activation(xv.to(ACC), ACT_IN, slope, MATH), 0.0)
         acc += g * tl.where(is_tap, a, 1.0)
-    row = (chunk * (KH * KW + 1) + tap).to(tl.int64) * C
-    tl.store(partial_ptr + row + c, tl.sum(acc, axis=0)[None, :], mask=cmask)
+    taps = tl.num_programs(0)  # KH * KW, plus one with a bias
+    row = taps.to(tl.int64) * C  # a chunk's partials: taps rows of C (tap-major)
+    column = partial_ptr + tap * C + c  # this program's (tap, channels) in chunk 0
+    tl.store(column + chunk * row, tl.sum(acc, axis=0)[None, :], mask=cmask)
+    # Arrive at this (channel block, tap)'s counter (_bn_arrive): a CTA barrier orders every thread's partial
+    # store before the atomic add, whose release (acq_rel, GPU scope) publishes them; in the program that arrives
+    # last, its acquire makes every other chunk's partial visible, and that program merges them (reading at L2).
+    # The merge is predicated on being last rather than branched around, as batch norm's.
+    last = _bn_arrive(counter_ptr + tl.program_id(2) * taps + tap, tl.num_programs(1), tap >= 0)
+    total = _dw_sum_chunks(column, row, tl.num_programs(1), _bn_only_if(cmask, last), last, MK, MERGE_LOOP, ACC)
+    w_offsets = c * swc + kh * swh + kw * sww
+    tl.store(dw_ptr + w_offsets, _cast_to(total, dw_ptr.dtype.element_ty, EMULATE_BF16_RTNE),
+             mask=_bn_only_if(cmask, last & (tap < KH * KW)))
+    tl.store(db_ptr + c, _cast_to(total, db_ptr.dtype.element_ty, EMULATE_BF16_RTNE),
+             mask=_bn_only_if(cmask, last & (tap == KH * KW)))
 
 
 @triton.jit
-def _dw_bwd_dw_final_kernel(
-    partial_ptr, dw_ptr, db_ptr, C, n_chunks, n_values, swc, swh, sww,
-    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_FP64: tl.constexpr,
-    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Stage 2 of dw/db: adds the partial rows in chunk order (deterministic), stores dw[c, tap] and db[c].
+def _dw_sum_chunks(column, row, n_chunks, mask, active, MK: tl.constexpr, LOOP: tl.constexpr, ACC: tl.constexpr):
+    """sum over chunks k = 0 .. n_chunks of ``column[k * row]`` (``[1, BLOCK_C]`` partials), one chunk after the
+    other: the order of a sequential sum whatever order the programs finished in, so dw is deterministic.
 
-    A chunk's row holds ``(KH * KW + 1) * C`` values (tap-major); ``n_values``
-    of them are used: ``(KH * KW + HAS_BIAS) * C``.
+    MK chunks are loaded per step, so MK loads are in flight, but added one by
+    one in chunk order. Without LOOP (n_chunks <= MK) the one step is all: no
+    loop after the reduction loop, which otherwise costs the NCHW
+    specialisations up to 19 registers (sm_90 compile). Partials are read at
+    L2 (``.cg``: other programs of this launch wrote them); nothing is read
+    where ``active`` is False (``mask`` is all False there, and the loop empty).
     """
-    ACC: tl.constexpr = _acc_dtype(ACC_FP64)
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = j < n_values
-    row = (KH * KW + 1) * C
-    acc = tl.zeros([BLOCK], ACC)
-    ptrs = partial_ptr + j
-    for _ in range(0, n_chunks):
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += row  # pointer arithmetic is 64-bit: no int32 product over all the chunks
-    tap = j // C
-    c = j % C
-    is_weight = tap < KH * KW
-    w_offsets = c * swc + (tap // KW) * swh + (tap % KW) * sww
-    tl.store(dw_ptr + w_offsets, _cast_to(acc, dw_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask & is_weight)
-    if HAS_BIAS:
-        tl.store(db_ptr + c, _cast_to(acc, db_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask & (tap == KH * KW))
+    total = tl.zeros(mask.shape, ACC)
+    if LOOP:
+        for start in range(0, tl.where(active, n_chunks, 0), MK):
+            total = _dw_add_chunks(total, column + start * row, row, n_chunks - start, mask, MK)
+    else:
+        total = _dw_add_chunks(total, column, row, n_chunks, mask, MK)
+    return total
+
+
+@triton.jit
+def _dw_add_chunks(total, ptrs, row, left, mask, MK: tl.constexpr):
+    """``total`` plus the partials ``ptrs[k * row]`` of the next ``min(MK, left)`` chunks, in chunk order.
+
+    Chunks past the last add -0.0, which leaves every float as it is (+0.0 would turn a -0.0 into +0.0).
+    """
+    for k in tl.static_range(MK):
+        total += tl.load(ptrs + k * row, mask=_bn_only_if(mask, k < left), other=-0.0, cache_modifier=".cg")
+    return total

@@ -180,8 +180,8 @@ vector_widths = roofline.vector_widths
 #: Kernels whose SASS decoding is checked against nvdisasm (one loop-free, one with a loop and barriers).
 SASS_CHECKED = (("add3_1e8_fp32", "_add_fwd_kernel"), ("bn_64x112x112_nchw_bf16", "_bn_stats_partial_kernel"))
 
-#: Reductions whose last program per column group merges the group's partials (kernels/batch_norm.py).
-MERGING_REDUCTIONS = ("_bn_stats_partial_kernel", "_bn_act_bwd_reduce_kernel")
+#: Reductions whose last program per group merges the group's partials (kernels/batch_norm.py, kernels/depthwise.py).
+MERGING_REDUCTIONS = ("_bn_stats_partial_kernel", "_bn_act_bwd_reduce_kernel", "_dw_bwd_dw_partial_kernel")
 
 
 def merge_ordering(ptx: str) -> dict:

@@ -12,6 +12,7 @@ from torch import nn
 import tfuse
 from tfuse.functional import batch_norm_act
 from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d
+from tfuse.ops import _arrivals
 from tfuse.ops import batch_norm as bn_ops
 
 from helpers import ACTIVATION_NAMES, PATH_ACTIVATIONS, assert_batch_norm_input_grad_accurate, make_input, torch_activation
@@ -462,9 +463,9 @@ def test_arrival_counters_outlive_their_plans_and_zero_after_a_capture(device, m
     batch_norm_act(x, None, None, training=True)
     (plan,) = bn_ops._forward_plans.values()
     assert plan.counters is counters and not bn_ops._spare_counters[(counters.tensor.device, counters.tensor.numel())]
-    monkeypatch.setattr(bn_ops, "_capturing", lambda device: True)
-    captured = bn_ops._Counters(3, device)
-    monkeypatch.setattr(bn_ops, "_capturing", lambda device: False)
+    monkeypatch.setattr(_arrivals, "_capturing", lambda device: True)
+    captured = _arrivals.ArrivalCounters(3, device)
+    monkeypatch.setattr(_arrivals, "_capturing", lambda device: False)
     captured.tensor.fill_(7)  # what the memory may hold before a replay has run the fill
     assert captured.pending and not captured.ready().any() and not captured.pending
 

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import tfuse
+from tfuse import _launch
 from tfuse.functional import relu_depthwise_conv2d
 from tfuse.nn import FusedActDepthwiseConv2d
+from tfuse.ops import _arrivals
 from tfuse.ops import depthwise as dw_ops
 
 from conftest import ON_CUDA
@@ -281,6 +283,49 @@ def test_weight_gradient_is_deterministic(backend, device):
         assert torch.equal(a, b)
 
 
+MERGES = [  # shape, layout, bias, merge step (None: the launcher's), the merge's (chunks, MK, MERGE_LOOP)
+    ((3, 2, 30, 30), "contiguous", True, None, (3, 4, False)),  # one step of 4 loads, the last past the chunks
+    ((3, 40, 6, 6), "channels_last", False, None, (7, 8, False)),
+    ((3, 40, 6, 6), "channels_last", True, 2, (7, 2, True)),  # a loop of 4 steps, the last one half past the end
+]
+
+
+@pytest.mark.parametrize("shape, layout, bias, step, merge", MERGES)
+def test_weight_gradient_merges_many_chunks(device, monkeypatch, shape, layout, bias, step, merge):
+    """Chunks of one tile each, as many as a GPU's grid has (the interpreter's target makes one): the last program
+    of each (tap, channel block) to arrive adds them up, in chunk order, and leaves its counter at 0."""
+    monkeypatch.setattr(dw_ops, "_chunks", lambda tiles, programs_per_chunk, device: (tiles, 1))
+    if step is not None:
+        monkeypatch.setattr(dw_ops, "_MERGE_CHUNKS", step)
+    x, weight, b = make_case(shape, (3, 3), torch.float32, device, layout, bias)
+    seen = []
+    with tfuse.use_backend("triton"), _launch.watch_launches(lambda *launch: seen.append(launch)):
+        y, gy, grads = run(x, weight, b, 1, 1, 1)
+        again = run(x, weight, b, 1, 1, 1, gy=gy)[2]
+    ((_, grid, args, meta, _),) = [launch for launch in seen[:3] if "_dw_bwd_dw" in _launch.kernel_name(launch[0])]
+    assert (grid[1], meta["MK"], meta["MERGE_LOOP"]) == merge
+    check_backward(grads, x, weight, b, gy, 1, 1, 1, "relu", None)
+    assert all(torch.equal(first, second) for first, second in zip(grads, again))
+    counters = args[6]
+    assert counters.numel() == grid[0] * grid[2] and not counters.any()
+
+
+def test_arrival_counters_are_shared_per_size_and_zeroed_after_a_capture(device, monkeypatch):
+    """One buffer per (device, size), kept (a captured CUDA graph may still launch with it); one allocated while a
+    stream captures (its zero fill runs on replay only) is filled at its first use outside the capture."""
+    monkeypatch.setattr(_arrivals, "_counters", {})
+    first = _arrivals.arrival_counters(5, device)
+    assert _arrivals.arrival_counters(5, device) is first and first.dtype == torch.int32 and not first.any()
+    assert _arrivals.arrival_counters(6, device) is not first
+    monkeypatch.setattr(_arrivals, "_capturing", lambda device: True)
+    captured = _arrivals.arrival_counters(3, device)
+    monkeypatch.setattr(_arrivals, "_capturing", lambda device: False)
+    captured.fill_(7)  # what the memory may hold before a replay has run the fill
+    assert _arrivals.arrival_counters(3, device) is captured and not captured.any()
+    captured.fill_(7)  # filled once outside a capture: later uses trust the launches to leave them 0
+    assert _arrivals.arrival_counters(3, device).eq(7).all()
+
+
 def test_int64_offsets(device, monkeypatch):
     x, weight, bias = make_case((2, 3, 7, 7), (3, 3), torch.float64, device, "channels_last")
     with tfuse.use_backend("triton"):
@@ -319,8 +364,8 @@ def test_launch_counts(device):
         with tfuse.count_launches() as backward:
             y.sum().backward()
         assert forward.by_kernel == {"_dw_fwd_kernel": 1}
-        assert backward.by_kernel == {"_dw_bwd_dx_kernel": 1, "_dw_bwd_dw_partial_kernel": 1,
-                                      "_dw_bwd_dw_final_kernel": 1}
+        # dw/db in one launch: its last programs merge the chunk partials (no merge launch).
+        assert backward.by_kernel == {"_dw_bwd_dx_kernel": 1, "_dw_bwd_dw_partial_kernel": 1}
         with tfuse.count_launches() as dx_only:
             relu_depthwise_conv2d(x, weight.detach(), padding=1).sum().backward()
         assert dx_only.by_kernel == {"_dw_fwd_kernel": 1, "_dw_bwd_dx_kernel": 1}

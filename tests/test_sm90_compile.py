@@ -72,7 +72,7 @@ def test_every_kernel_compiles(compiled):
         "_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel",
         "_bn_stats_partial_kernel", "_bn_act_fwd_kernel", "_bn_act_bwd_reduce_kernel", "_bn_act_bwd_dx_kernel",
         "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel", "_adam_kernel", "_sgd_kernel",
-        "_dw_fwd_kernel", "_dw_bwd_dx_kernel", "_dw_bwd_dw_partial_kernel", "_dw_bwd_dw_final_kernel",
+        "_dw_fwd_kernel", "_dw_bwd_dx_kernel", "_dw_bwd_dw_partial_kernel",
     }
 
 
@@ -178,15 +178,17 @@ def test_sass_decoding_matches_nvdisasm(report):
 
 def test_merging_reductions_publish_their_partials_before_arriving(report):
     """Batch norm's reductions merge their partials in the last programs to arrive, in two levels (a block of
-    chunks, then the column group: kernels/batch_norm.py): each level's stores, a CTA barrier, then one acq_rel
-    atomic at GPU scope on the arrival counter (its release publishes the stores, its acquire lets the last
-    program see the others'); the merges read the partials after it, at L2 (``.cg``). Every compiled
-    specialisation of both kernels, in every case."""
+    chunks, then the column group: kernels/batch_norm.py), the depthwise weight-gradient reduction in one (per
+    channel block and tap: kernels/depthwise.py): each level's stores, a CTA barrier, then one acq_rel atomic
+    at GPU scope on the arrival counter (its release publishes the stores, its acquire lets the last program
+    see the others'); the merges read the partials after it, at L2 (``.cg``). Every compiled specialisation
+    of the three kernels, in every case."""
     checks = report["merge_checks"]
-    assert {c["kernel"] for c in checks} == {"_bn_stats_partial_kernel", "_bn_act_bwd_reduce_kernel"}
+    levels = {"_bn_stats_partial_kernel": 2, "_bn_act_bwd_reduce_kernel": 2, "_dw_bwd_dw_partial_kernel": 1}
+    assert {c["kernel"] for c in checks} == set(levels)
     assert {c["case"] for c in checks} >= {c for c in ROOFLINE_CASES if c.startswith("bn_")}
-    wrong = [c for c in checks if c["atomics"] != ["atom.global.gpu.acq_rel.add.u32"] * 2
-             or c["barriers_before"] != [True, True] or not c["cg_loads_after"]]
+    wrong = [c for c in checks if c["atomics"] != ["atom.global.gpu.acq_rel.add.u32"] * levels[c["kernel"]]
+             or c["barriers_before"] != [True] * levels[c["kernel"]] or not c["cg_loads_after"]]
     assert not wrong, wrong
 
 
@@ -287,9 +289,9 @@ REGISTER_BOUNDS = {
     # tensor per tap) <= 112 keeps 4. (Unrolling every tap of a 5x5 kernel needed 255 and spilled.)
     "_dw_fwd_kernel": 96,
     "_dw_bwd_dx_kernel": 112,
-    # The dw/db stage 1 accumulates per lane in its loop, one tap per program: <= 64 keeps 8 blocks resident.
+    # The dw/db reduction accumulates per lane in its loop, one tap per program, and its last programs merge the
+    # chunks after it (the merge must not raise the count): <= 64 keeps 8 blocks resident.
     "_dw_bwd_dw_partial_kernel": 64,
-    "_dw_bwd_dw_final_kernel": 64,
 }
 
 
@@ -305,10 +307,11 @@ def test_every_kernel_has_a_register_bound(report):
     assert {r["kernel"] for r in report["launches"]} == set(REGISTER_BOUNDS)
 
 
-# Not the depthwise cases: their dw/db stage 1 sizes its grid from target_programs (2 x 4 programs per SM), not
+# Not the depthwise cases: their dw/db reduction sizes its grid from target_programs (2 x 4 programs per SM), not
 # from the kernel's residency, and it has at least KH x KW x channel-blocks programs whatever the chunking
 # (NCHW: one channel per block, so 384 channels x 9 taps is 26 programs per SM): a reduction that runs in
-# as many waves as it needs, deterministically by chunk, not a one-wave design.
+# as many waves as it needs (no program waits for another: the last to arrive merges), deterministically by chunk,
+# not a one-wave design.
 @pytest.mark.parametrize("case", [c for c in ROOFLINE_CASES if c.startswith(("bn_", "add_act_"))])
 def test_reduction_grids_fill_the_machine_in_one_wave(report, case):
     """Two-stage reductions size their grid to the GPU: at least one program per SM, all resident at once."""
@@ -352,7 +355,7 @@ def test_pure_streams_have_no_barriers(report, kernel):
 #: pass reads instead of dy and y; the kernels before that design moved 8, 1.14x.)
 BYTES_OVER_MINIMUM = 1.05
 #: Phases whose design moves more than the minimum, and their own bound. Depthwise backward: the dx kernel
-#: and the dw kernels each read gy and x (a dx pass cannot also finish dw, a reduction over every output
+#: and the dw kernel each read gy and x (a dx pass cannot also finish dw, a reduction over every output
 #: pixel, without a second pass or atomics), so it moves 3 x-sized and 2 y-sized tensors against the
 #: minimum's 2 and 1: 5/3 = 1.67x at stride 1, 3.5/2.25 = 1.56x at stride 2, plus the float32 partial rows.
 BYTES_OVER_MINIMUM_BY_DESIGN = {("dw_", "bwd"): 1.75}

@@ -64,6 +64,7 @@ from tfuse._kit import (
 from tfuse._launch import LaunchPlan, resident_programs, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import Activation, GradSource, check_activation
+from tfuse.ops._arrivals import ArrivalCounters
 from tfuse.ops._checks import check_float_dtype
 from tfuse.ops._library import DTYPES, compiling, dtype_code, op_backend, tfuse_op
 
@@ -649,41 +650,14 @@ class _Launch:
         self.plan(args, device)
 
 
-class _Counters:
-    """The arrival counters of a merging reduction (int32, 0 between launches): per column group, one for the
-    group and one per block of chunks (kernels/batch_norm.py).
-
-    ``pending``: allocated while the current CUDA stream was capturing a graph,
-    whose zero fill then runs on replay only; until a fill has run outside a
-    capture, each use fills them again (captured where capturing).
-    """
-
-    __slots__ = ("pending", "tensor")
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.pending = _capturing(device)
-        self.tensor = torch.zeros(size, dtype=torch.int32, device=device)
-
-    def ready(self) -> torch.Tensor:
-        """The counters, all 0 when the launch that takes them runs."""
-        if self.pending:
-            self.tensor.zero_()
-            self.pending = _capturing(self.tensor.device)
-        return self.tensor
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 #: (device, size) -> counters of plans dropped from the cache, for new plans to take over. Never freed: a
 #: captured CUDA graph may still launch with them; every launch leaves them 0, so sharing them is safe.
 _spare_counters: dict = {}
 
 
-def _counters(size: int, device: torch.device) -> _Counters:
+def _counters(size: int, device: torch.device) -> ArrivalCounters:
     spare = _spare_counters.get((device, size))
-    return spare.pop() if spare else _Counters(size, device)
+    return spare.pop() if spare else ArrivalCounters(size, device)
 
 
 def _chunks_per_block(chunks: int, per_step: int) -> int:
@@ -716,7 +690,7 @@ class _ForwardPlan:
     buf_size: int
     stats: _Launch | None
     normalise: _Launch
-    counters: _Counters | None  # the statistics' arrival counters (training)
+    counters: ArrivalCounters | None  # the statistics' arrival counters (training)
     backward: dict = dataclasses.field(default_factory=dict)  # (needs_input_grad, dy dtype) -> _BackwardPlan
 
 
@@ -727,7 +701,7 @@ class _BackwardPlan:
     reduce: _Launch
     dx: _Launch | None
     from_dz: bool
-    counters: _Counters | None  # the reduction's arrival counters (when it merges)
+    counters: ArrivalCounters | None  # the reduction's arrival counters (when it merges)
 
 
 #: (shapes, strides, dtypes, device, flags) -> _ForwardPlan; each forward plan holds its backward plans.

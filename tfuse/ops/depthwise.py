@@ -9,8 +9,8 @@ and kept for its weight gradient. Here it is never kept:
   recomputed in backward, and ``act_in'`` comes from ``x``;
 * Triton backend: the activation is applied to each input value as the
   convolution loads it (kernels/depthwise.py): one launch forward, and in
-  backward one launch for dx plus two for dw/db (a deterministic two-stage
-  reduction);
+  backward one launch for dx plus one for dw/db (a deterministic reduction
+  whose last programs merge the partials);
 * PyTorch path (CPU, and GPU shape classes where cuDNN is faster, see
   :func:`depthwise_backend`): torch's activation and ``conv2d``, the
   activation output freed after forward and recomputed in backward (one
@@ -36,6 +36,7 @@ from tfuse._backend import Backend, interpreter_active, log_backend_once, reques
 from tfuse._kit import acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, split_float
 from tfuse._launch import launch, target_programs
 from tfuse.ops._activations import Activation, GradSource, check_activation, math_mode
+from tfuse.ops._arrivals import arrival_counters
 from tfuse.ops._checks import check_float_dtype
 from tfuse.ops._library import compiling
 
@@ -48,8 +49,10 @@ MAX_TRITON_TAPS = 49
 _TILE_ELEMENTS = 1024
 #: Widest channel block of a channels_last tile (channels are contiguous there).
 _MAX_BLOCK_C = 128
-#: Stage-2 block of the dw/db reduction.
-_FINAL_BLOCK = 256
+#: Chunk partials the last program of a dw/db group loads per merge step (in flight together, added in
+#: order), channels_last and NCHW: see :func:`_merge_meta`.
+_MERGE_CHUNKS = 16
+_MERGE_CHUNKS_NCHW = 4
 
 #: Shape classes (see :func:`shape_class`) where a GPU measurement showed the
 #: Triton kernel slower than eager activation + cuDNN depthwise convolution
@@ -671,7 +674,8 @@ def _backward_triton(
 
 
 def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_last: bool) -> None:  # type: ignore[no-untyped-def]
-    """dw (and db) by the two-stage reduction: partial rows per chunk of outputs, then their sum in order."""
+    """dw (and db) in one launch: partial rows per chunk of outputs, summed in chunk order by the last program
+    of each (tap, channel block) to finish (kernels/depthwise.py)."""
     n, c, h, w = x.shape
     _, _, oh, ow = gy.shape
     taps = kernel[0] * kernel[1]
@@ -683,22 +687,21 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_l
         return
     block_p, block_c = _flat_blocks(c, n_outputs, channels_last, _tile_elements(kernel, x.dtype))
     c_tiles = math.ceil(c / block_c)
-    has_bias = db is not None
-    programs_per_chunk = (taps + has_bias) * c_tiles
-    total_tiles = math.ceil(n_outputs / block_p)
-    n_chunks = max(1, min(total_tiles, 65535, 2 * target_programs(x.device) // programs_per_chunk))
-    tiles_per_chunk = math.ceil(total_tiles / n_chunks)
-    n_chunks = math.ceil(total_tiles / tiles_per_chunk)
-    partial = torch.empty((n_chunks, taps + 1, c), dtype=acc_dtype(x.dtype), device=x.device)
+    rows = taps + (db is not None)  # partial rows per chunk: the taps, and the bias
+    n_chunks, tiles_per_chunk = _chunks(math.ceil(n_outputs / block_p), rows * c_tiles, x.device)
+    partial = torch.empty((n_chunks, rows, c), dtype=acc_dtype(x.dtype), device=x.device)
     largest = max(_largest_offset((gy, saved, x), 1, block_c, spec, kernel), n_outputs + 2 * block_p)
     launch(
         kernels._dw_bwd_dw_partial_kernel,
-        (taps + has_bias, n_chunks, c_tiles),
+        (rows, n_chunks, c_tiles),
         (
             gy,
             saved,
             x,
             partial,
+            dw,
+            db if db is not None else dw,
+            arrival_counters(rows * c_tiles, x.device),
             c,
             h,
             w,
@@ -709,23 +712,41 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_l
             *gy.stride(),
             *saved.stride(),
             *x.stride(),
+            dw.stride(0),
+            dw.stride(2),
+            dw.stride(3),
             *_scalars(spec),
         ),
-        dict(meta, INDEX_64=needs_int64(largest), BLOCK_P=block_p, BLOCK_C=block_c),
-        x.device,
-    )
-    n_values = (taps + has_bias) * c
-    launch(
-        kernels._dw_bwd_dw_final_kernel,
-        (math.ceil(n_values / _FINAL_BLOCK),),
-        (partial, dw, db if db is not None else dw, c, n_chunks, n_values, dw.stride(0), dw.stride(2), dw.stride(3)),
         dict(
-            KH=kernel[0],
-            KW=kernel[1],
-            HAS_BIAS=has_bias,
-            ACC_FP64=acc_fp64(x.dtype),
+            meta,
+            INDEX_64=needs_int64(largest),
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
-            BLOCK=_FINAL_BLOCK,
+            BLOCK_P=block_p,
+            BLOCK_C=block_c,
+            **_merge_meta(n_chunks, channels_last),
         ),
         x.device,
     )
+
+
+def _merge_meta(n_chunks: int, channels_last: bool) -> dict:
+    """The merge step of the dw/db reduction's last programs: MK chunk partials loaded at once (in flight
+    together, then added in chunk order), and MERGE_LOOP only where one step does not cover every chunk.
+
+    A step holds about MK loads per thread. The NCHW specialisations, whose
+    reduction loop needs 53-62 registers (a quotient and a remainder per
+    output), went past their bound of 64 (up to 75, sm_90 compile) with steps
+    of 8 or 16 or a merge loop of 8, not with steps of 4; the channels_last
+    ones (about 32) take steps of 16 at no cost. channels_last is where wide
+    steps count: wide channel blocks, and many chunks (58 in the roofline's cases).
+    """
+    step = min(_MERGE_CHUNKS if channels_last else _MERGE_CHUNKS_NCHW, next_power_of_2(n_chunks))
+    return dict(MK=step, MERGE_LOOP=n_chunks > step)
+
+
+def _chunks(tiles: int, programs_per_chunk: int, device: torch.device) -> tuple[int, int]:
+    """(chunks, tiles per chunk) of the dw/db reduction: about two programs per target program (target_programs),
+    at most 65535 chunks (a grid axis), and no empty chunk."""
+    n_chunks = max(1, min(tiles, 65535, 2 * target_programs(device) // programs_per_chunk))
+    tiles_per_chunk = math.ceil(tiles / n_chunks)
+    return math.ceil(tiles / tiles_per_chunk), tiles_per_chunk
