@@ -285,9 +285,11 @@ def test_weight_gradient_is_deterministic(backend, device):
 
 MERGES = [  # shape, layout, bias, merge step (None: the launcher's), the merge's (chunks, MK, MERGE_LOOP)
     ((3, 2, 30, 30), "contiguous", True, None, (3, 4, False)),  # one step of 4 loads, the last past the chunks
-    ((3, 40, 6, 6), "channels_last", False, None, (7, 8, False)),
-    ((3, 40, 6, 6), "channels_last", True, 2, (7, 2, True)),  # a loop of 4 steps, the last one half past the end
+    ((2, 40, 6, 6), "channels_last", False, None, (5, 8, False)),  # one step of 8 loads, the last 3 past the chunks
+    ((2, 40, 4, 5), "channels_last", True, 2, (3, 2, True)),  # a loop of 2 steps, the last one half past the end
 ]
+# channels_last: 16 outputs (n, oh, ow) per chunk; in both such cases a chunk crosses from the first image into the
+# second. Their shapes are the smallest that make those merges: each program of a chunk is an interpreted one.
 
 
 @pytest.mark.parametrize("shape, layout, bias, step, merge", MERGES)
