@@ -357,7 +357,7 @@ def masters(rank: int, world: int) -> dict:
     except TypeError as error:
         copy_error = str(error)
     return {"params": params_of(net), "reference": params_of(reference),
-            "master_bytes": opt._buffers[0].buffer.state.master.numel() * 4,
+            "master_bytes": opt._buffers[0].span.state.master.numel() * 4,
             "padded_numel": flat.shards(world)[0][-1].end, "copy_error": copy_error,
             "consolidated": None if consolidated is None else {
                 i: entry["master_param"] for i, entry in consolidated["state"].items()},
@@ -375,7 +375,7 @@ def memory(rank: int, world: int) -> dict:
     for module, optimizer in ((net, opt), (whole, unsharded)):
         module(x).sum().backward()
         optimizer.step()
-    unsharded_bytes = sum(t.numel() * t.element_size() for b in unsharded._buffers for t in b.state.buffers.values())
+    unsharded_bytes = sum(t.numel() * t.element_size() for b in unsharded.spans for t in b.state.buffers.values())
     shard = opt.flat_params[0].shards(world)[0][rank]
     return {"sharded": opt.state_bytes(), "unsharded": unsharded_bytes, "shard_numel": shard.numel}
 

@@ -21,7 +21,7 @@ from torch.library import opcheck
 
 import tfuse
 
-from tests.optim_helpers import make_pair, run_side_by_side
+from optim_helpers import make_pair, run_side_by_side
 from tfuse.ops._activations import Activation
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
 from tfuse.optim._update import _ADAM_BC2_SQRT, _ADAM_BETA1, _ADAM_BETA2, _ADAM_DECAY, _ADAM_STEP_SIZE, _SGD_LR

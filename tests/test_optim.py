@@ -227,7 +227,7 @@ def test_state_entries_are_views_of_the_flat_state(device):
     assert state["step"].dtype == torch.float32 and state["step"].device.type == "cpu"  # torch's format
     assert state["exp_avg"].abs().sum() > 0 and state["max_exp_avg_sq"].abs().sum() > 0
     (flat_params,) = optimizer.flat_params
-    flat = optimizer._buffers[0].state.buffers["exp_avg"]  # the FlatState of its one flat buffer
+    flat = optimizer.spans[0].state.buffers["exp_avg"]  # the FlatState of its one flat buffer
     assert flat.numel() == flat_params.groups[0].data.numel()
     assert flat.data_ptr() <= state["exp_avg"].data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
 

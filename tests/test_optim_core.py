@@ -363,7 +363,7 @@ def test_state_names_are_declared_per_class_and_cover_every_option(device):
         optimizer.step()
         kept = {name for entry in optimizer.state.values() for name in entry} - {"step"}
         assert kept <= set(cls.state_names), (cls.__name__, options, kept)
-        assert kept == set(optimizer._hyper(optimizer.param_groups[0], 1, True).state_names)
+        assert kept == set(optimizer.update_row(optimizer.param_groups[0], 1, True).state_names)
 
 
 def test_load_state_dict_checks_the_shapes_of_the_declared_state(device):

@@ -56,7 +56,7 @@ def clip_sharded(
     for sharded, on in zip(optimizer._buffers, pending):
         grad = sharded.group.grad[sharded.shard.start : sharded.shard.end]
         # Only the members with a gradient: slots of the others may hold stale values (they are not stepped).
-        pieces += [grad[m.start : m.end] for m, active in zip(sharded.buffer.members, on) if active and m.end > m.start]
+        pieces += [grad[m.start : m.end] for m, active in zip(sharded.span.members, on) if active and m.end > m.start]
     dtype = optimizer._buffers[0].group.dtype if optimizer._buffers else torch.float32
     if norm_type == 2.0:
         local = sum(

@@ -8,13 +8,14 @@ per rank is about ``1/world_size`` of the unsharded optimizer's. A step:
 1. ranks agree which parameters have a gradient (one small all-reduce);
 2. each gradient buffer is averaged into its owners (divided by the world
    size, then a reduce-scatter on NCCL, one reduce per shard elsewhere);
-3. each owner runs the fused update over its shard, with the same update
-   functions as the unsharded optimizer (:func:`tfuse.optim._update.update`);
-   a parameter straddling two shards is updated piecewise by both owners;
+3. each owner steps its shard with the span engine
+   (:class:`tfuse.optim.span.SpanStepper`), the same step the unsharded
+   optimizer runs over whole buffers; a parameter straddling two shards is
+   updated piecewise by both owners;
 4. every buffer's updated shards are gathered back into every rank's
    parameter buffer (one all-gather per buffer), in the same order everywhere.
 
-Checkpoints are in :mod:`tfuse.distributed._sharded_checkpoint`.
+Checkpoints are in :mod:`tfuse.distributed._sharded_state_dict`.
 """
 
 from __future__ import annotations
@@ -27,37 +28,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tfuse._backend import select_backend
-from tfuse.distributed import _sharded_checkpoint as checkpoint
+from tfuse.distributed import _sharded_state_dict as checkpoint
 from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
 from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
 from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
-from tfuse.flat import FlatParams, Shard
-from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member, closure_and_amp
-from tfuse.optim._update import update
+from tfuse.flat import FlatGroup, FlatParams, Shard
+from tfuse.optim import FlatOptimizer
+from tfuse.optim.span import SpanMember, SpanStepper, closure_and_amp
 
 logger = logging.getLogger(__name__)
 
 
-class _ShardedBuffer:
-    """One flat buffer as a shard owner sees it: its shards and the optimizer's view of this rank's shard."""
+class ShardedBuffer:
+    """One flat buffer as a shard owner sees it: its shards, and the span engine over this rank's shard."""
 
-    def __init__(self, buffer: _Buffer, index: int, shards: list[Shard], rank: int) -> None:
-        self.buffer = buffer  # a _Buffer restricted to shards[rank] (state, member ranges, step plans)
+    def __init__(self, span: SpanStepper, index: int, shards: list[Shard], rank: int) -> None:
+        self.span = span  # steps shards[rank] (state, member ranges, step plans)
         self.index = index  # the buffer's index in its FlatParams' groups
         self.shards = shards
         self.shard = shards[rank]
 
     @property
     def flat(self) -> FlatParams:
-        return self.buffer.flat
+        return self.span.flat
 
     @property
-    def group(self):  # the FlatGroup
-        return self.buffer.state.group
+    def group(self) -> FlatGroup:
+        return self.span.state.group
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -168,8 +168,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         if isinstance(params, FusedDataParallel):
             params = params.flat
-        # The fused optimizer checks the arguments, binds the parameters to flat buffers and turns groups into
-        # update rows; it never steps, so it allocates no state (state is created at a parameter's first step).
+        # The fused optimizer checks the arguments, binds the parameters to flat buffers, holds the groups and
+        # is the update rule of the shards' span engines; its own whole-buffer spans never step, so they
+        # allocate no state (state is created at a parameter's first step).
         self.optim = optimizer_class(params, **defaults)
         self._constructing = True
         super().__init__(self.optim.param_groups, self.optim.defaults)
@@ -200,20 +201,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             entries = describe_replica(None, flat, names, options)
             check_replicas_match(entries, self.process_group, device, owner="ShardedOptimizer")
 
-    def _shard_buffers(self) -> list[_ShardedBuffer]:
+    def _shard_buffers(self) -> list[ShardedBuffer]:
         for flat in self.optim.flat_params:
             flat.shards(self.world_size)  # pads (lays out again) first if the buffers do not split evenly yet
         result = []
-        for inner in self.optim._buffers:
-            flat = inner.flat
-            index = next(i for i, g in enumerate(flat.groups) if g.device == inner.device and g.dtype == inner.dtype)
+        for whole in self.optim.spans:
+            flat = whole.flat
+            index = next(i for i, g in enumerate(flat.groups) if g.device == whole.device and g.dtype == whole.dtype)
             shards = flat.shards(self.world_size)[index]
             if not shards:
                 continue  # no trainable parameter in this buffer: nothing to update
             mine = shards[self.rank]
-            buffer = _Buffer(flat, flat.groups[index], inner.master_weights, span=(mine.start, mine.end))
-            buffer.set_members([_Member(m.param, m.group) for m in inner.members])
-            result.append(_ShardedBuffer(buffer, index, shards, self.rank))
+            span = SpanStepper(
+                flat, flat.groups[index], self.optim, span=(mine.start, mine.end), master_weights=whole.master_weights
+            )
+            span.set_members([SpanMember(m.param, m.group) for m in whole.members])
+            result.append(ShardedBuffer(span, index, shards, self.rank))
         return result
 
     def _take_over_reducers(self) -> list[GradientReducer]:
@@ -238,7 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "ShardedOptimizer: the parameters are wrapped by a FusedDataParallel over another process group; "
                     "pass the same process_group to both"
                 )
-            mine = {id(m.param) for b in self._buffers for m in b.buffer.members}
+            mine = {id(m.param) for b in self._buffers for m in b.span.members}
             left = [p for p in flat.params if p.requires_grad and id(p) not in mine]
             if left:
                 name = flat.name_of(left[0]) or f"a parameter of shape {tuple(left[0].shape)}"
@@ -266,7 +269,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         agree across ranks without a collective.
         """
         self._check_layout()
-        active = [tuple(m.param.grad is not None for m in b.buffer.members) for b in self._buffers]
+        active = [tuple(m.param.grad is not None for m in b.span.members) for b in self._buffers]
         if any(any(on) for on in active):
             unsynced = [r for r in self._reducers if r.sharded_by is self and not r.synchronized]
             if unsynced:
@@ -292,7 +295,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: its shards of the state buffers and of the float32 masters."""
-        tensors = [t for b in self._buffers for t in (*b.buffer.state.buffers.values(), b.buffer.state.master)]
+        tensors = [t for b in self._buffers for t in (*b.span.state.buffers.values(), b.span.state.master)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -328,9 +331,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._update(sharded, on, grad_scale)
                 stepped.append(sharded)
         for sharded in stepped:  # the same buffers, in the same order, on every rank
-            current = checkpoint.current_members(sharded.buffer)
+            current = sharded.span.current_members()
             gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
-            checkpoint.note_versions(current)  # the gather wrote the parameters, not the user
+            sharded.span.note_versions(current)  # the gather wrote the parameters, not the user
         return loss
 
     def _reduce_grads(
@@ -411,7 +414,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         are zeroed, so that this rank adds nothing), and whether some rank found inf/NaN (the same
         all-reduce carries the flag).
         """
-        local = [p.grad is not None for b in self._buffers for p in b.buffer.params]
+        local = [p.grad is not None for b in self._buffers for p in b.span.params]
         inf = found_inf is not None and bool(found_inf.detach().float().sum() > 0)
         flags = torch.tensor([*local, inf], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -421,7 +424,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         adopted: list[list[torch.nn.Parameter]] = []
         at = 0
         for sharded in self._buffers:
-            members = sharded.buffer.members
+            members = sharded.span.members
             on = tuple(agreed[at : at + len(members)])
             here = local[at : at + len(members)]
             at += len(members)
@@ -431,31 +434,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result.append(on)
         return result, adopted, skip
 
-    def _update(self, sharded: _ShardedBuffer, on: tuple[bool, ...], grad_scale: torch.Tensor | None) -> None:
-        """One fused update of this rank's shard; step counts and first steps are kept on every rank."""
-        buffer, optim = sharded.buffer, self.optim
-        state = buffer.state
-        members = [m for m, active in zip(buffer.members, on) if active]
-        fresh_members = [m for m in members if not m.started]
-        for member in fresh_members:
-            member.started = True
-            state.steps[member.index] = 0.0
-        for member in members:
-            state.steps[member.index] += 1.0  # every rank counts every parameter's steps (consolidation reads any)
-        plan = buffer.plan(tuple(active and m.end > m.start for m, active in zip(buffer.members, on)))
-        if fresh_members:
-            checkpoint.start_state(optim, buffer, fresh_members)
-        if buffer.master_weights:
-            checkpoint.refresh_masters(buffer, members)
-        if not plan.members:
-            return
-        fresh = [m in fresh_members for m in plan.members]
-        counts = state.steps.numpy()[plan.positions] if optim.family.uses_step else None
-        rows, member_rows = optim._rows(plan, counts, fresh)
-        table = buffer.table(plan, member_rows, optim._pads_stay_zero())
-        backend = select_backend(buffer.device, f"ShardedOptimizer({type(optim).__name__})")
-        update(optim.family, state.buffers_for_update(), table, rows, grad_scale=grad_scale, backend=backend)
-        checkpoint.note_versions(plan.members if buffer.master_weights else [])  # masters and parameters agree
+    def _update(self, sharded: ShardedBuffer, on: tuple[bool, ...], grad_scale: torch.Tensor | None) -> None:
+        """One step of this rank's shard (step counts and first steps are kept on every rank for every member)."""
+        owner = f"ShardedOptimizer({type(self.optim).__name__})"
+        sharded.span.step(self.param_groups, on, grad_scale=grad_scale, owner=owner)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -11,14 +11,17 @@ buffer (the PyTorch path); ``describe()``, ``repr()`` and the first step's
 INFO log say which.
 
 Inside, for every caller that updates flat buffers (these optimizers, a shard
-owner, an outer optimizer): ``_state.FlatState`` keeps the state of a flat
-buffer or of a range of it, ``_update.adam_update`` / ``_update.sgd_update``
-run one step of the update maths over element ranges, and
-``_flat_optimizer.FlatOptimizer`` is the thin torch.optim layer on top.
+owner, an outer optimizer): :class:`~tfuse.optim.span.SpanStepper` (the span
+engine) owns the state of a span of a flat buffer and steps it,
+``_update.adam_update`` / ``_update.sgd_update`` run one step of the update
+maths over element ranges, :mod:`tfuse.optim.load_rules` holds torch's rules
+for loading a state dict, and :class:`FlatOptimizer` is the thin torch.optim
+layer on top (the base of the fused optimizers, and their update rule).
 """
 
+from tfuse.optim._flat_optimizer import FlatOptimizer
 from tfuse.optim.adam import FusedAdam, FusedAdamW
 from tfuse.optim.clip import clip_grad_norm_
 from tfuse.optim.sgd import FusedMomentum, FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedMomentum", "FusedSGD", "clip_grad_norm_"]
+__all__ = ["FlatOptimizer", "FusedAdam", "FusedAdamW", "FusedMomentum", "FusedSGD", "clip_grad_norm_"]

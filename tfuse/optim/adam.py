@@ -109,12 +109,12 @@ class FusedAdam(FlatOptimizer):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        self._check_group(defaults)
+        self.check_group(defaults)
         _check_betas_types(betas)
         defaults["betas"] = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
         super().__init__(params, defaults, master_weights)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
         check_non_negative(group["eps"], "epsilon")
         betas = group["betas"]
@@ -124,11 +124,11 @@ class FusedAdam(FlatOptimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         check_non_negative(group["weight_decay"], "weight_decay")
 
-    def _pads_stay_zero(self) -> bool:
+    def pads_stay_zero(self) -> bool:
         # Zero padding stays zero only while the denominator is positive there.
         return all(as_float(g["eps"]) > 0 for g in self.param_groups)
 
-    def _hyper(self, group: dict[str, Any], step: int, first: bool) -> AdamStep:
+    def update_row(self, group: dict[str, Any], step: int, first: bool) -> AdamStep:
         beta1, beta2 = (as_float(b) for b in group["betas"])
         return AdamStep(
             lr=as_float(group["lr"]),

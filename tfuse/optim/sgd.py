@@ -88,20 +88,20 @@ class FusedSGD(FlatOptimizer):
             differentiable=differentiable,
             fused=fused,
         )
-        self._check_group(defaults)
+        self.check_group(defaults)
         if not isinstance(capturable, bool):
             raise TypeError(f"{type(self).__name__}: capturable must be a bool, got {capturable!r}")
         # torch.optim.SGD has no capturable switch (its groups and state dicts have no such key): an attribute here.
         super().__init__(params, defaults, master_weights, capturable=capturable)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
         check_non_negative(group["momentum"], "momentum")
         check_non_negative(group["weight_decay"], "weight_decay")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _hyper(self, group: dict[str, Any], step: int, first: bool) -> SGDStep:
+    def update_row(self, group: dict[str, Any], step: int, first: bool) -> SGDStep:
         return SGDStep(
             lr=as_float(group["lr"]),
             momentum=as_float(group["momentum"]),

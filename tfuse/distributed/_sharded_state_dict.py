@@ -1,4 +1,4 @@
-"""ShardedOptimizer's state: first-step creation, sharded and consolidated state dicts, loading.
+"""ShardedOptimizer's state dicts: sharded and consolidated, saving and loading.
 
 Two formats:
 
@@ -18,65 +18,45 @@ Two formats:
 
 from __future__ import annotations
 
-import copy
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from tfuse.distributed._shard_comm import global_rank
-from tfuse.optim._checks import IMPLEMENTATION_FLAGS
-from tfuse.optim._flat_optimizer import MASTER_KEY
-
-if TYPE_CHECKING:
-    from tfuse.distributed.sharded import ShardedOptimizer
-    from tfuse.optim._flat_optimizer import FlatOptimizer, _Buffer, _Member
+from tfuse.flat import FlatGroup, Shard
+from tfuse.optim import FlatOptimizer
+from tfuse.optim.load_rules import check_saved_state, merge_saved_groups
+from tfuse.optim.span import MASTER_KEY, SpanStepper
 
 FORMAT = "tfuse.sharded_optimizer/1"
 
 
-def start_state(optim: FlatOptimizer, buffer: _Buffer, members: list[_Member]) -> None:
-    """torch's lazy state creation for members at their first step: their part of the shard starts at zero."""
-    state = buffer.state
-    for member in members:
-        for name in optim._state_names(optim.param_groups[member.group]):
-            state.ensure(name)[member.start : member.end].zero_()
+class _Sharded(Protocol):
+    """One flat buffer of a shard owner (``ShardedBuffer``)."""
+
+    span: SpanStepper
+    shards: list[Shard]
+    shard: Shard
+    group: FlatGroup
 
 
-def refresh_masters(buffer: _Buffer, members: list[_Member]) -> None:
-    """Float32 masters of this rank's shard, taken from the parameters where they are new or were written.
+class ShardOwner(Protocol):
+    """What the state dicts read of a ShardedOptimizer."""
 
-    A member whose parameter changed since the optimizer last wrote it (its first step, or the user loaded
-    the model's state dict) gets its part of the masters from the parameter's values, as the unsharded
-    optimizer does for its whole range.
-    """
-    state = buffer.state
-    state.ensure_master()
-    data = state.group.data
-    for member in members:
-        if member.param._version != member.version and member.end > member.start:
-            state.master[member.start : member.end].copy_(data[state.start + member.start : state.start + member.end])
-        member.version = member.param._version
-
-
-def current_members(buffer: _Buffer) -> list[_Member]:
-    """With master weights: the members whose masters agree with their parameters now (before a gather)."""
-    if not buffer.master_weights:
-        return []
-    return [m for m in buffer.members if m.version == m.param._version]
-
-
-def note_versions(members: list[_Member]) -> None:
-    """The optimizer wrote these members' parameters (update, all-gather): their masters still agree."""
-    for member in members:
-        member.version = member.param._version
+    optim: FlatOptimizer  # the update rule and the parameter groups
+    param_groups: list[dict[str, Any]]
+    world_size: int
+    rank: int
+    process_group: dist.ProcessGroup | None
+    _buffers: list[_Sharded]
 
 
 # ---------------------------------------------------------------------------- sharded
 
 
-def _layout(opt: ShardedOptimizer) -> dict[str, Any]:
+def _layout(opt: ShardOwner) -> dict[str, Any]:
     """What a sharded state dict must match to load: world size, rank, and each buffer's layout."""
     ids = _param_ids(opt)
     buffers = []
@@ -88,17 +68,17 @@ def _layout(opt: ShardedOptimizer) -> dict[str, Any]:
                 "numel": group.data.numel(),
                 "trainable_numel": group.trainable_numel,
                 "shard": (sharded.shard.start, sharded.shard.end),
-                "params": [(ids[id(m.param)], group.offsets[m.index], m.param.numel()) for m in sharded.buffer.members],
+                "params": [(ids[id(m.param)], group.offsets[m.index], m.param.numel()) for m in sharded.span.members],
             }
         )
     return {"world_size": opt.world_size, "rank": opt.rank, "buffers": buffers}
 
 
-def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
+def sharded_state_dict(opt: ShardOwner) -> dict[str, Any]:
     """This rank's shard of the state (copies), the step counts and the layout."""
     buffers = []
     for sharded in opt._buffers:
-        buffer = sharded.buffer
+        buffer = sharded.span
         buffers.append(
             {
                 "state": {name: t.clone() for name, t in buffer.state.buffers.items()},
@@ -115,7 +95,7 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     }
 
 
-def _check_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def _check_sharded(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     saved, mine = state_dict.get("layout"), _layout(opt)
     if not isinstance(saved, dict):
         raise ValueError("ShardedOptimizer: the sharded state dict has no 'layout'")
@@ -150,11 +130,11 @@ def _short(value: Any) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def _load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def _load_sharded(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     _check_sharded(opt, state_dict)
     _load_groups(opt, state_dict["param_groups"])
     for sharded, saved in zip(opt._buffers, state_dict["buffers"]):
-        buffer = sharded.buffer
+        buffer = sharded.span
         state = buffer.state
         state.buffers.clear()
         for name, value in saved["state"].items():
@@ -165,7 +145,7 @@ def _load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         master = saved.get("master")
         if buffer.master_weights and master is not None:
             state.ensure_master().copy_(master)
-            note_versions(buffer.members)  # the masters are the saved ones, not the parameters' rounding
+            buffer.note_versions(buffer.members)  # the masters are the saved ones, not the parameters' rounding
         elif buffer.master_weights:
             state.master = None  # saved without masters: taken from the parameters at the next step
             for member in buffer.members:
@@ -175,13 +155,13 @@ def _load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- consolidated
 
 
-def _param_ids(opt: ShardedOptimizer) -> dict[int, int]:
+def _param_ids(opt: ShardOwner) -> dict[int, int]:
     """id(parameter) -> its index in torch.optim's state dict (position over param_groups)."""
     params = itertools.chain.from_iterable(g["params"] for g in opt.param_groups)
     return {id(p): index for index, p in enumerate(params)}
 
 
-def consolidated_state_dict(opt: ShardedOptimizer, to: int) -> dict[str, Any] | None:
+def consolidated_state_dict(opt: ShardOwner, to: int) -> dict[str, Any] | None:
     """The whole state in torch.optim's format on rank ``to``: one state buffer gathered at a time."""
     if not isinstance(to, int) or not 0 <= to < opt.world_size:
         raise ValueError(f"ShardedOptimizer: to must be a rank in [0, {opt.world_size}), got {to!r}")
@@ -190,9 +170,9 @@ def consolidated_state_dict(opt: ShardedOptimizer, to: int) -> dict[str, Any] | 
     optim = opt.optim
     result: dict[int, dict[str, Any]] = {}
     for sharded in opt._buffers:
-        buffer, group = sharded.buffer, sharded.group
+        buffer, group = sharded.span, sharded.group
         started = [m for m in buffer.members if m.started]  # the same on every rank (flags are agreed)
-        names_of = {m.group: optim._state_names(optim.param_groups[m.group]) for m in started}
+        names_of = {m.group: optim.state_names_of(optim.param_groups[m.group]) for m in started}
         for member in started:
             entry = result.setdefault(ids[id(member.param)], {}) if here else {}
             if optim.family.uses_step and names_of[member.group]:
@@ -209,7 +189,7 @@ def consolidated_state_dict(opt: ShardedOptimizer, to: int) -> dict[str, Any] | 
                         result[ids[id(member.param)]][name] = view.clone(memory_format=torch.preserve_format)
             del whole, pieces  # one buffer's worth at a time
         if buffer.master_weights and started:
-            refresh_masters(buffer, started)  # (the same on every rank: every rank takes part in the gather)
+            buffer.refresh_masters(started)  # (the same on every rank: every rank takes part in the gather)
             mine = buffer.state.master
             whole = torch.empty(sharded.shards[-1].end, dtype=mine.dtype, device=mine.device) if here else None
             pieces = [whole[s.start : s.end] for s in sharded.shards] if here else None
@@ -224,84 +204,30 @@ def consolidated_state_dict(opt: ShardedOptimizer, to: int) -> dict[str, Any] | 
     return {"state": result, "param_groups": optim.state_dict()["param_groups"]}
 
 
-def _load_groups(opt: ShardedOptimizer, saved_groups: list[dict[str, Any]]) -> None:
+def _load_groups(opt: ShardOwner, saved_groups: list[dict[str, Any]]) -> None:
     """Takes the hyperparameters of ``saved_groups`` (checked as the optimizer checks them), as torch does."""
     groups = opt.param_groups
-    if len(groups) != len(saved_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-        raise ValueError(
-            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
-        )
-    new = []
-    for group, saved in zip(groups, copy.deepcopy(saved_groups)):
-        saved["params"] = group["params"]
-        for flag in IMPLEMENTATION_FLAGS:  # how this optimizer runs is its own, not the saver's
-            if flag in group:
-                saved[flag] = group[flag]
-            else:
-                saved.pop(flag, None)
-        for name, default in opt.optim.defaults.items():
-            saved.setdefault(name, default)
-        opt.optim._check_group(saved)
-        new.append(saved)
-    for group, saved in zip(groups, new):  # in place: the optimizer and its inner optimizer share these dicts
+    merged = merge_saved_groups(opt.optim, groups, saved_groups, opt.optim.defaults)
+    for group, saved in zip(groups, merged):  # in place: the optimizer and its inner optimizer share these dicts
         group.clear()
         group.update(saved)
 
 
-def _load_consolidated(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def _load_consolidated(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     saved_state = state_dict["state"]
-    ids = _param_ids(opt)
-    # Check every tensor's shape before changing anything.
-    params = {ids[id(p)]: p for p in itertools.chain.from_iterable(g["params"] for g in opt.param_groups)}
-    names = {*opt.optim.state_names}
-    required = opt.optim._required_state(state_dict["param_groups"])
-    for key, entry in saved_state.items():
-        param = params.get(key)
-        if param is None:
-            continue
-        opt.optim._check_state_entry(key, entry, required.get(key, set()), owner="ShardedOptimizer")
-        for name, value in entry.items():
-            if name in names and isinstance(value, torch.Tensor) and value.shape != param.shape:
-                raise ValueError(
-                    f"loaded state dict has '{name}' of shape {tuple(value.shape)} for a parameter of shape "
-                    f"{tuple(param.shape)} (parameter {key})"
-                )
+    params = check_saved_state(opt.optim, opt.param_groups, state_dict, owner="ShardedOptimizer")
     _load_groups(opt, state_dict["param_groups"])
+    saved_id = {id(param): key for key, param in params.items()}
     for sharded in opt._buffers:
-        buffer, group = sharded.buffer, sharded.group
-        state = buffer.state
-        state.buffers.clear()
-        state.steps.zero_()
-        for member in buffer.members:
-            entry = saved_state.get(ids[id(member.param)]) or {}
-            member.started = bool(entry)
-            member.version = -1  # masters: from the parameters at the next step, unless the entry has them
-            if "step" in entry:
-                state.steps[member.index] = float(entry["step"])
-            for name, value in entry.items():
-                if name == MASTER_KEY and buffer.master_weights and isinstance(value, torch.Tensor):
-                    target = state.ensure_master()
-                elif name not in names or not isinstance(value, torch.Tensor):
-                    continue
-                else:
-                    target = state.ensure(name)  # every rank creates the same names (all load the same dict)
-                if member.end <= member.start:
-                    continue
-                # The value in slot order (element k = element k of the parameter's slot), then our part of it.
-                offset = group.offsets[member.index] - state.start
-                slot = torch.empty(member.param.numel(), dtype=target.dtype, device=target.device)
-                slot.as_strided(group.shapes[member.index], group.strides[member.index]).copy_(value)
-                target[member.start : member.end].copy_(slot[member.start - offset : member.end - offset])
-                if name == MASTER_KEY:
-                    member.version = member.param._version
-            if member.started:  # its state buffers exist on every rank, loaded or not (the next step updates them)
-                for name in opt.optim._state_names(opt.param_groups[member.group]):
-                    state.ensure(name)
+        span = sharded.span
+        span.reset()
+        for member in span.members:
+            entry = saved_state.get(saved_id[id(member.param)])
+            if entry:
+                span.load_member(member, entry, opt.param_groups)
 
 
-def load_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def load_state_dict(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     """Loads a sharded (same layout) or consolidated (torch.optim format) state dict."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"ShardedOptimizer: state_dict must be a dict, got {type(state_dict).__name__}")

@@ -1,0 +1,88 @@
+"""What serves a fused optimizer's step, in words: ``describe()``, ``repr()`` and the first step's INFO log."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from tfuse._backend import Backend, requested_backend, select_backend, triton_available
+from tfuse.optim._update import upcasts
+
+if TYPE_CHECKING:
+    from tfuse.optim._flat_optimizer import FlatOptimizer
+    from tfuse.optim.span import SpanStepper
+
+
+def route(optimizer: FlatOptimizer, span: SpanStepper, backend: Backend) -> str:
+    """How ``backend`` updates ``span`` each step, in words."""
+    if backend is Backend.TRITON:
+        return f"the Triton kernel {optimizer.family.kernel_name} (one launch per flat buffer)"
+    kernels = sorted({optimizer.update_row(group, 1, True).torch_kernel for group in optimizer.param_groups})
+    routes = []
+    for kernel in kernels:
+        if span.master_weights:
+            routes.append(f"torch.{kernel} on the float32 master weights")
+        elif upcasts(optimizer.family, kernel, span.dtype, span.device, master=False):
+            routes.append(
+                f"torch.{kernel} on float32 copies rounded to {dtype_name(span.dtype)}, as torch's "
+                f"{dtype_name(span.dtype)} kernel on {span.device.type} failed tfuse's check"
+            )
+        else:
+            routes.append(f"torch.{kernel}")
+    return f"the PyTorch path ({', '.join(routes)}; no Triton kernel runs)"
+
+
+def announce(optimizer: FlatOptimizer, span: SpanStepper, backend: Backend, logger: logging.Logger) -> None:
+    """Logs once per optimizer, at INFO, which backend serves the updates of a flat buffer."""
+    key = (span.device, span.dtype, backend)
+    if key in optimizer._announced:
+        return
+    optimizer._announced.add(key)
+    logger.info(
+        "%s: the %s %s flat buffer (%d parameters) is updated by %s [%s]",
+        type(optimizer).__name__,
+        span.device,
+        dtype_name(span.dtype),
+        len(span.members),
+        route(optimizer, span, backend),
+        _why(backend, span.device),
+    )
+
+
+def service(optimizer: FlatOptimizer) -> str:
+    """What serves a step now: Triton launches per step, and the route of each flat buffer."""
+    routes: dict[str, list[SpanStepper]] = {}
+    launches = 0
+    for span in optimizer.spans:
+        try:
+            backend = select_backend(span.device, type(optimizer).__name__)
+        except RuntimeError as error:  # the Triton backend forced where it cannot run: step() raises this
+            routes.setdefault(f"no backend ({error})", []).append(span)
+            continue
+        launches += backend is Backend.TRITON
+        routes.setdefault(route(optimizer, span, backend), []).append(span)
+    parts = [
+        text if len(routes) == 1 else f"{', '.join(f'{s.device} {dtype_name(s.dtype)}' for s in spans)} by {text}"
+        for text, spans in routes.items()
+    ]
+    return f"{launches} Triton launch{'es' if launches != 1 else ''} per step; served by {'; '.join(parts)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _why(backend: Backend, device: torch.device) -> str:
+    """Why ``backend`` serves tensors of ``device`` (the rules of tfuse._backend)."""
+    forced = requested_backend()
+    if forced is not None:
+        return f"forced: backend {forced.value!r} requested (tfuse.use_backend or TFUSE_BACKEND)"
+    if backend is Backend.TRITON:
+        return "CUDA tensors" if device.type == "cuda" else f"{device.type} tensors through Triton's interpreter"
+    if not triton_available():
+        return "Triton is not installed"
+    if device.type == "cpu":
+        return "CPU tensors without TRITON_INTERPRET=1"
+    return f"no Triton kernels for device type {device.type}"
