@@ -74,3 +74,12 @@ def test_checkout_run_from_its_root(tmp_path):
     empty.mkdir()
     (kernels_file,) = _import_from(empty, cwd=src, editable=False)
     assert Path(kernels_file) == src / "kernels" / "__init__.py"
+
+
+def test_every_package_of_the_source_tree_is_listed_for_setuptools():
+    # setuptools puts the files of a subpackage missing from pyproject.toml's list into the wheel anyway, as
+    # package data (with a deprecation warning), so the install tests above pass without it; the list is checked.
+    tomllib = pytest.importorskip("tomllib", reason="tomllib comes with Python 3.11")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "tfuse").rglob("__init__.py")}
+    assert found <= listed, f"not in [tool.setuptools] packages: {sorted(found - listed)}"
