@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tfuse.distributed._overlap import OverlappedStep
 from tfuse.distributed._shard_comm import global_rank
 from tfuse.flat import Bucket, FlatParams
 
@@ -82,6 +83,7 @@ class GradientReducer:
         self._in_backward = False
         self._syncing = False
         self.retired = False  # a newer reducer took the parameters over
+        self.overlap: OverlappedStep | None = None  # steps the optimizer per bucket (FusedDataParallel.overlap_step)
         flat.set_grad_receiver(self.on_grad_arrival)  # (held weakly by the FlatParams)
 
     def _read_layout(self) -> None:
@@ -273,6 +275,8 @@ class GradientReducer:
             self.merged_passes += 1
         self._syncing = not self.forward_skipped and self.merged_passes >= self.merge_steps
         self.synchronized = False
+        if self._syncing and self.overlap is not None:
+            self.overlap.start_pass(self.buckets, self.find_unused)
         # Runs once backward has finished every node; it waits for the all-reduces.
         torch.autograd.Variable._execution_engine.queue_callback(_make_finish(weakref.ref(self)))
 
@@ -283,12 +287,15 @@ class GradientReducer:
             # parameters without a gradient hold zeros here: find_unused adopted them as zeros.)
             with torch.no_grad():
                 region.div_(self._divisor)
+        issued = len(self._works)
         if not self.reduces_to_owners:
             self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         else:
             for piece, owner in self._owners.pieces[index]:
                 self._works.append(dist.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         self._next = index + 1
+        if self.overlap is not None:
+            self.overlap.issued(index, self._works[issued:])
 
     def finish_pass(self) -> None:
         """End-of-backward callback: issues what is left, waits for everything, checks for missing gradients."""
@@ -324,6 +331,8 @@ class GradientReducer:
             self.flat.note_written(missing)  # their slots hold what the other ranks sent
             self._raise_missing(missing)
         self.synchronized = True
+        if self.overlap is not None:
+            self.overlap.finish_pass()
 
     def _all_reduce_used_flags(self) -> list[int]:
         flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tfuse.distributed._overlap import OverlappedStep
 from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
 from tfuse.flat import Bucket, FlatParams, flat_params_of, register_compact_state_dict
+from tfuse.optim import FlatOptimizer
 
 logger = logging.getLogger(__name__)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -278,6 +280,64 @@ class FusedDataParallel(torch.nn.Module):
         return self._reducer.synchronized
 
     # ------------------------------------------------------------------ training
+
+    def overlap_step(self, optimizer: FlatOptimizer | None) -> None:
+        """Steps ``optimizer`` bucket by bucket during backward, each bucket as soon as its all-reduce has landed.
+
+        The update of the first buckets then runs while later buckets are
+        still being computed and all-reduced, instead of after the whole
+        backward; ``optimizer.step()`` afterwards steps only what is left
+        (parameters outside this wrapper). The parameters, state and
+        ``state_dict`` after each step are bit for bit those of the plain
+        step. Call ``optimizer.step()`` after every synchronizing backward,
+        as usual; LR schedulers, ``no_sync()`` and gradient merge work as
+        without overlap. The first iteration is stepped plainly and decides:
+        under a GradScaler the step waits for the whole backward (an inf/NaN
+        in a late bucket must skip every bucket), and gradients edited
+        between backward and ``step()`` (a global-norm clip) raise
+        RuntimeError, since the update ran before the edit (see
+        :mod:`tfuse.distributed._overlap`). ``None`` turns the overlap off.
+
+        Args:
+            optimizer: a tfuse fused optimizer over this wrapper's parameters
+                (built from ``model.parameters()``), not capturable.
+
+        Example (on each rank)::
+
+            model = FusedDataParallel(net, bucket_mb=25)
+            optimizer = tfuse.optim.FusedAdamW(model.parameters(), lr=1e-3)
+            model.overlap_step(optimizer)
+            loss_fn(model(x), y).backward()  # steps each bucket as its all-reduce lands
+            optimizer.step()  # the rest (here nothing)
+            optimizer.zero_grad()
+        """
+        reducer = self._reducer
+        if reducer.overlap is not None:
+            reducer.overlap.remove()
+            reducer.overlap = None
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, FlatOptimizer):
+            raise TypeError(
+                "FusedDataParallel.overlap_step: optimizer must be a tfuse fused optimizer (FusedSGD, FusedMomentum, "
+                f"FusedAdam, FusedAdamW), got {type(optimizer).__name__}"
+            )
+        if optimizer.capturable:
+            raise ValueError(
+                "FusedDataParallel.overlap_step: a capturable optimizer steps from device-side step counts inside a "
+                "captured graph; capture the whole step instead (tfuse.capture_step), or pass capturable=False"
+            )
+        if reducer.sharded_by is not None:
+            raise ValueError(
+                "FusedDataParallel.overlap_step: this model's gradients are reduced to the shards of a "
+                "ShardedOptimizer; overlap that optimizer's step, not another one"
+            )
+        if not any(span.flat is self.flat for span in optimizer.spans):
+            raise ValueError(
+                "FusedDataParallel.overlap_step: the optimizer holds none of this wrapper's parameters; build it "
+                "from model.parameters() after wrapping"
+            )
+        reducer.overlap = OverlappedStep(self.flat, optimizer)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module; with gradients on, first checks the parameters and broadcasts rank 0's buffers.

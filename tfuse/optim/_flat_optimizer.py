@@ -85,6 +85,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._flats: list[FlatParams] = []  # every FlatParams it updates; held here (nothing else keeps them alive)
         self._entries = 0  # members with an entry in self.state (a drop in len(self.state) shows a clear())
         self._announced: set[tuple] = set()  # (device, dtype, backend) already logged
+        self._stepped_ahead = 0  # members stepped by step_ahead since the last step
         self._constructing = False
 
     @property
@@ -294,6 +295,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         and under a GradScaler ``found_inf`` is read once (one sync per step).
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure)
+        ahead, self._stepped_ahead = self._stepped_ahead, 0
         if found_inf is not None and not self.capturable and bool(found_inf.item()):
             # GradScaler found inf/NaN: skip the step, nothing changes. The host step counts must not advance,
             # so this reads one scalar (capturable=True decides on the device instead).
@@ -303,26 +305,62 @@ class FlatOptimizer(torch.optim.Optimizer):
         if self._entries > len(self.state):
             self._forget_removed_entries()  # someone cleared optimizer.state (or deleted entries)
         for span in self._spans:
-            self.step_span(span, grad_scale, found_inf if self.capturable else None)
+            active = [p.grad is not None for p in span.params]
+            if ahead:  # members stepped by step_ahead since the last step: not again
+                for at, member in enumerate(span.members):
+                    active[at] = active[at] and not member.ahead
+                    member.ahead = False
+            self._step_span(span, tuple(active), grad_scale, found_inf if self.capturable else None)
         return loss
 
-    def step_span(
-        self, span: SpanStepper, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
-    ) -> None:
-        """Steps one of :attr:`spans` (its members with a gradient), as :meth:`step` does for each.
+    @torch.no_grad()
+    def step_ahead(self, span: SpanStepper, members: tuple[bool, ...]) -> None:
+        """Steps the flagged members of ``span`` (one of :attr:`spans`) that have a gradient now, ahead of
+        :meth:`step`, which then skips them: the overlapped step of FusedDataParallel runs each gradient
+        bucket's update as soon as its all-reduce has landed.
 
-        For callers that step a buffer on their own schedule (the overlapped
-        step of FusedDataParallel): gradients must be in their slots already,
-        and GradScaler's ``found_inf`` checked (capturable: read by the kernel).
+        The update is the one :meth:`step` would run for them (same rows,
+        step counts and state), so the result does not depend on the split.
+        No GradScaler and no closure here: the caller checked the gradients.
+
+        Example:
+            >>> import torch
+            >>> from tfuse.optim import FusedMomentum
+            >>> layer = torch.nn.Linear(3, 1)
+            >>> optimizer = FusedMomentum(layer.parameters(), lr=0.1)
+            >>> layer(torch.ones(2, 3)).sum().backward()
+            >>> (span,) = optimizer.spans
+            >>> optimizer.step_ahead(span, tuple(m.param is layer.weight for m in span.members))
+            >>> layer.weight.grad.sum().item(), float(optimizer.state[layer.weight]["momentum_buffer"].sum())
+            (6.0, 6.0)
+            >>> optimizer.step()  # the bias only
+            >>> sorted(tuple(p.shape) for p in optimizer.state)
+            [(1,), (1, 3)]
         """
+        if self._entries > len(self.state):
+            self._forget_removed_entries()
+        active = tuple(
+            on and p.grad is not None and not m.ahead for on, p, m in zip(members, span.params, span.members)
+        )
+        for member, on in zip(span.members, active):
+            if on:
+                member.ahead = True
+                self._stepped_ahead += 1
+        self._step_span(span, active, None, None)
+
+    def _step_span(
+        self,
+        span: SpanStepper,
+        active: tuple[bool, ...],
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """Steps the ``active`` members of one of :attr:`spans` (a fused step of their flat buffer)."""
         if span.layout_version != span.flat.layout_version:
             self._follow_layout(span)
+            active = tuple([p.grad is not None for p in span.params])  # (the members were sorted again)
         started = span.step(
-            self.param_groups,
-            tuple([p.grad is not None for p in span.params]),
-            grad_scale=grad_scale,
-            found_inf=found_inf,
-            owner=type(self).__name__,
+            self.param_groups, active, grad_scale=grad_scale, found_inf=found_inf, owner=type(self).__name__
         )
         for member in started:
             self._new_entry(span, member)

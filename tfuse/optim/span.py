@@ -65,6 +65,7 @@ class SpanMember:
     started: bool = False  # had its first step: torch creates state lazily, at a parameter's first gradient
     has_entry: bool = False  # the owning optimizer's torch-format state holds an entry for it
     version: int = -1  # param._version when the engine last wrote it or took its masters from it
+    ahead: bool = False  # stepped ahead of its optimizer's step() (FlatOptimizer.step_ahead), not again there
 
 
 class SpanStepper:
