@@ -16,7 +16,7 @@ import torch
 
 from dist_helpers import run_named
 
-from tfuse.distributed import FusedDataParallel
+from tfuse.distributed import FusedDataParallel, ShardedOptimizer
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
 
 BATCH = 3  # rows per rank
@@ -221,6 +221,42 @@ def misuse(rank: int, world: int) -> dict:
     return {"twice": twice, "late": late}
 
 
+def sharded(rank: int, world: int) -> dict:
+    """ShardedOptimizer under FusedDataParallel, plain and overlapped (owners step their shard of each bucket when
+    its reduce lands; the shards are gathered when backward ends), with each reduce mode."""
+    results = {}
+    for family, reduce in (("adam", "auto"), ("momentum", "all_reduce")):
+        fused, _, options = FAMILIES[family]
+        runs = []
+        for overlap in (False, True):
+            net = FusedDataParallel(model(), max_params_per_bucket=2)
+            optimizer = ShardedOptimizer(net.parameters(), fused, reduce=reduce, **options)
+            if overlap:
+                net.overlap_step(optimizer)
+            runs.append((net, optimizer))
+        stepped_in_backward = []
+        for step in range(STEPS):
+            x, y = batch(step, world)
+            for net, optimizer in runs:
+                before = [p.detach().clone() for p in net.parameters()]
+                loss_of(net, _rows(x, rank), _rows(y, rank), step, False).backward()
+                if optimizer is runs[1][1]:
+                    stepped_in_backward.append(any(not torch.equal(a, p) for a, p in zip(before, net.parameters())))
+                optimizer.step()
+                optimizer.zero_grad()
+        (plain, plain_opt), (overlapped, overlapped_opt) = runs
+        ours, theirs = plain_opt.state_dict(), overlapped_opt.state_dict()
+        state = all(
+            a["steps"] == b["steps"] and sorted(a["state"]) == sorted(b["state"])
+            and all(torch.equal(v, b["state"][k]) for k, v in a["state"].items())
+            for a, b in zip(ours["buffers"], theirs["buffers"])
+        )
+        params = all(torch.equal(a, b) for a, b in zip(plain.parameters(), overlapped.parameters()))
+        results[family] = {"params": params, "state": state, "stepped_in_backward": stepped_in_backward,
+                           "values": [p.detach().clone() for p in overlapped.parameters()]}
+    return results
+
+
 SUITE = {
     **{f"trajectory_{name}": (lambda rank, world, name=name: trajectory(rank, world, name)) for name in FAMILIES},
     "trajectory_unused": lambda rank, world: trajectory(rank, world, "adamw", unused=True),
@@ -228,6 +264,7 @@ SUITE = {
     "grad_scaler": grad_scaler,
     "clipping": clipping,
     "misuse": misuse,
+    "sharded": sharded,
 }
 
 

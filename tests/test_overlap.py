@@ -29,7 +29,7 @@ def _suite(world: int, names: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, [*TRAJECTORIES, "accumulation", "grad_scaler", "clipping", "misuse"])
+    return _suite(2, [*TRAJECTORIES, "accumulation", "grad_scaler", "clipping", "misuse", "sharded"])
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,17 @@ def test_misuse_raises_naming_the_problem(world2):
     for result in scenario(world2, "misuse"):
         assert "second synchronizing backward pass before optimizer.step()" in result["twice"]
         assert "GradScaler drives this step" in result["late"]
+
+
+def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):
+    results = scenario(world2, "sharded")
+    for result in results:
+        for family in ("adam", "momentum"):
+            assert result[family]["params"] and result[family]["state"], family
+            assert result[family]["stepped_in_backward"] == [False] + [True] * 3, family
+    for family in ("adam", "momentum"):  # the gathers brought every rank the same parameters
+        for a, b in zip(results[0][family]["values"], results[1][family]["values"]):
+            assert torch.equal(a, b)
 
 
 def test_bad_arguments_are_refused(monkeypatch):

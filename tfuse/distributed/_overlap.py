@@ -35,13 +35,13 @@ from __future__ import annotations
 import collections
 import logging
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from tfuse.flat import Bucket, FlatParams
-from tfuse.optim import FlatOptimizer
 from tfuse.optim.span import SpanStepper
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,34 @@ logger = logging.getLogger(__name__)
 PROBING, ON, OFF = "probing", "on", "off"
 
 
+class SteppedAhead(Protocol):
+    """What the overlapped step needs of an optimizer: a FlatOptimizer, or a ShardedOptimizer (its shards)."""
+
+    @property
+    def spans(self) -> tuple[SpanStepper, ...]: ...
+
+    @property
+    def flat_params(self) -> tuple[FlatParams, ...]: ...
+
+    def step_ahead(self, span: SpanStepper, members: tuple[bool, ...]) -> None: ...
+
+    def register_step_pre_hook(self, hook: Callable) -> Any: ...
+
+
 class OverlappedStep:
     """Steps a fused optimizer bucket by bucket during a FusedDataParallel backward (see the module doc).
 
     Args:
         flat: the wrapper's FlatParams (its buckets are the all-reduce messages).
-        optimizer: a fused optimizer over (some of) the wrapper's parameters.
+        optimizer: a fused optimizer over (some of) the wrapper's parameters, or the wrapper's ShardedOptimizer.
+        finish: called when backward ends, after the last bucket was stepped (a ShardedOptimizer's
+            ``gather_ahead``: the owners' updated shards go to every rank).
     """
 
-    def __init__(self, flat: FlatParams, optimizer: FlatOptimizer) -> None:
+    def __init__(self, flat: FlatParams, optimizer: SteppedAhead, finish: Callable[[], None] | None = None) -> None:
         self.flat = flat
         self.optimizer = weakref.ref(optimizer)
+        self._finish = finish
         self.mode = PROBING
         self.stepped_buckets = 0  # buckets stepped ahead in the last synchronizing pass (a test reads it)
         self._masks: list[list[tuple[SpanStepper, tuple[bool, ...]]]] = []
@@ -104,6 +121,8 @@ class OverlappedStep:
         """Backward ended and every collective completed: steps the buckets left, then notes the gradients' state."""
         while self._pending:
             self._step_bucket(*self._pending.popleft())
+        if self._finish is not None and self._ahead:
+            self._finish()
         self._grad_versions = self._versions()
 
     # ------------------------------------------------------------------ stepping
@@ -138,7 +157,7 @@ class OverlappedStep:
         self._ahead = True
         self.stepped_buckets += 1
 
-    def _optimizer(self) -> FlatOptimizer:
+    def _optimizer(self) -> SteppedAhead:
         optimizer = self.optimizer()
         if optimizer is None:
             raise RuntimeError("FusedDataParallel: the optimizer given to overlap_step was deleted")

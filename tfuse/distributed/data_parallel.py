@@ -15,7 +15,8 @@ from tfuse.distributed._overlap import OverlappedStep
 from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_parameters, broadcast_tensors
-from tfuse.flat import Bucket, FlatParams, flat_params_of, register_compact_state_dict
+from tfuse.distributed._wrapping import flat_params_for, parameter_names, plural, single_device, uses_default_group
+from tfuse.flat import Bucket, FlatParams, register_compact_state_dict
 from tfuse.optim import FlatOptimizer
 
 logger = logging.getLogger(__name__)
@@ -172,10 +173,10 @@ class FusedDataParallel(torch.nn.Module):
         """Flat buffers, reducer and state-dict hooks for ``self.module``; with ``synchronize``, also the
         cross-rank model check and the broadcast of rank 0's parameters and buffers (collectives)."""
         module, process_group = self.module, self.process_group
-        names = _parameter_names(module)
+        names = parameter_names(module)
         params = list(names)
-        device = _single_device(params, names)
-        flat = _flat_params_for(params, names, self.bucket_mb, self.max_params_per_bucket)
+        device = single_device(params, names)
+        flat = flat_params_for(params, names, self.bucket_mb, self.max_params_per_bucket)
         self._flat_ref = flat  # a plain attribute: not a submodule, not in state_dict
         self._params = params
         self._param_names = [names[p] for p in params]
@@ -210,8 +211,8 @@ class FusedDataParallel(torch.nn.Module):
             logging.INFO if rank == 0 and synchronize else logging.DEBUG,
             "FusedDataParallel: %s, %s per step after fusion (bucket_mb=%s, max_params_per_bucket=%s); "
             "world size %d, %s",
-            _plural(self.num_grad_tensors, "gradient tensor"),
-            _plural(len(flat.buckets), "all-reduce call"),
+            plural(self.num_grad_tensors, "gradient tensor"),
+            plural(len(flat.buckets), "all-reduce call"),
             self.bucket_mb,
             self.max_params_per_bucket,
             dist.get_world_size(process_group),
@@ -226,7 +227,7 @@ class FusedDataParallel(torch.nn.Module):
         Raises RuntimeError when the wrapper uses a process group other than
         the default one (a process group cannot be pickled; DDP raises too).
         """
-        if not _uses_default_group(self.process_group):
+        if not uses_default_group(self.process_group):
             raise RuntimeError(
                 "FusedDataParallel: only a wrapper that uses the default process group (process_group=None) can be "
                 "pickled or deep-copied, as with DDP; a process group cannot be pickled. Save model.module (or its "
@@ -281,7 +282,7 @@ class FusedDataParallel(torch.nn.Module):
 
     # ------------------------------------------------------------------ training
 
-    def overlap_step(self, optimizer: FlatOptimizer | None) -> None:
+    def overlap_step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Steps ``optimizer`` bucket by bucket during backward, each bucket as soon as its all-reduce has landed.
 
         The update of the first buckets then runs while later buckets are
@@ -300,7 +301,11 @@ class FusedDataParallel(torch.nn.Module):
 
         Args:
             optimizer: a tfuse fused optimizer over this wrapper's parameters
-                (built from ``model.parameters()``), not capturable.
+                (built from ``model.parameters()``, not capturable), or the
+                :class:`~tfuse.distributed.ShardedOptimizer` of this wrapper:
+                each owner steps its shard of a bucket when the bucket's
+                reduce lands, and the updated shards are gathered when
+                backward ends.
 
         Example (on each rank)::
 
@@ -311,33 +316,38 @@ class FusedDataParallel(torch.nn.Module):
             optimizer.step()  # the rest (here nothing)
             optimizer.zero_grad()
         """
+        from tfuse.distributed.sharded import ShardedOptimizer  # (it imports this module)
+
         reducer = self._reducer
         if reducer.overlap is not None:
             reducer.overlap.remove()
             reducer.overlap = None
         if optimizer is None:
             return
-        if not isinstance(optimizer, FlatOptimizer):
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        if not (sharded or isinstance(optimizer, FlatOptimizer)):
             raise TypeError(
                 "FusedDataParallel.overlap_step: optimizer must be a tfuse fused optimizer (FusedSGD, FusedMomentum, "
-                f"FusedAdam, FusedAdamW), got {type(optimizer).__name__}"
+                f"FusedAdam, FusedAdamW) or a ShardedOptimizer, got {type(optimizer).__name__}"
             )
-        if optimizer.capturable:
+        if not sharded and optimizer.capturable:
             raise ValueError(
                 "FusedDataParallel.overlap_step: a capturable optimizer steps from device-side step counts inside a "
                 "captured graph; capture the whole step instead (tfuse.capture_step), or pass capturable=False"
             )
-        if reducer.sharded_by is not None:
+        if reducer.sharded_by is not (optimizer if sharded else None):
             raise ValueError(
-                "FusedDataParallel.overlap_step: this model's gradients are reduced to the shards of a "
-                "ShardedOptimizer; overlap that optimizer's step, not another one"
+                "FusedDataParallel.overlap_step: this model's gradients are reduced to the shards of "
+                f"{'another' if sharded else 'a'} ShardedOptimizer; overlap that optimizer's step"
+                if reducer.sharded_by is not None
+                else "FusedDataParallel.overlap_step: this ShardedOptimizer does not shard this wrapper's parameters"
             )
         if not any(span.flat is self.flat for span in optimizer.spans):
             raise ValueError(
                 "FusedDataParallel.overlap_step: the optimizer holds none of this wrapper's parameters; build it "
                 "from model.parameters() after wrapping"
             )
-        reducer.overlap = OverlappedStep(self.flat, optimizer)
+        reducer.overlap = OverlappedStep(self.flat, optimizer, finish=optimizer.gather_ahead if sharded else None)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module; with gradients on, first checks the parameters and broadcasts rank 0's buffers.
@@ -416,23 +426,10 @@ class FusedDataParallel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{_plural(self.num_grad_tensors, 'gradient tensor')} in "
-            f"{_plural(self.num_allreduce_calls, 'all-reduce bucket')}, "
+            f"{plural(self.num_grad_tensors, 'gradient tensor')} in "
+            f"{plural(self.num_allreduce_calls, 'all-reduce bucket')}, "
             f"gradient_merge_steps={self.gradient_merge_steps}, find_unused_parameters={self.find_unused_parameters}"
         )
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _uses_default_group(group: Any) -> bool:
-    if group is None or group is dist.group.WORLD:
-        return True
-    try:
-        return group == dist.distributed_c10d._get_default_group()
-    except RuntimeError:  # no default group
-        return False
 
 
 def _check_arguments(
@@ -469,57 +466,3 @@ def _check_arguments(
     ):
         if not isinstance(value, bool):
             raise TypeError(f"FusedDataParallel: {name} must be a bool, got {value!r}")
-
-
-def _parameter_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Each distinct parameter (tied ones once) with its first name, in registration order."""
-    names: dict[torch.nn.Parameter, str] = {}
-    for name, param in module.named_parameters():
-        names.setdefault(param, name)
-    return names
-
-
-def _single_device(params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str]) -> torch.device:
-    if not any(p.requires_grad for p in params):
-        raise ValueError(
-            "FusedDataParallel: the module has no parameter that requires a gradient; nothing to synchronize"
-        )
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        listing = ", ".join(f"{names[p]!r} on {p.device}" for p in params[:6])
-        raise ValueError(
-            f"FusedDataParallel: the module's parameters are on {len(devices)} devices ({listing}, ...); "
-            "put the whole replica on one device (one GPU per process)"
-        )
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError(
-            "FusedDataParallel: the module's parameters are on the meta device (no data); materialize them first, "
-            "e.g. module.to_empty(device=...) and initialize, then wrap"
-        )
-    return device
-
-
-def _flat_params_for(
-    params: list[torch.nn.Parameter],
-    names: dict[torch.nn.Parameter, str],
-    bucket_mb: float | None,
-    max_params: int | None,
-) -> FlatParams:
-    """A new FlatParams for ``params``, or the existing one that holds exactly them (re-bucketed)."""
-    owners = {flat_params_of(p) for p in params}
-    if owners == {None}:
-        return FlatParams([(names[p], p) for p in params], bucket_mb=bucket_mb, max_params_per_bucket=max_params)
-    owner = next(iter(owners)) if len(owners) == 1 else None
-    if owner is None or set(owner.params) != set(params):
-        taken = next(p for p in params if flat_params_of(p) is not None)
-        raise ValueError(
-            f"FusedDataParallel: parameter {names[taken]!r} already lives in a FlatParams that does not hold exactly "
-            "this module's parameters (a fused optimizer created before wrapping, over a different set?); wrap the "
-            "model first and create the optimizer from the wrapped model's parameters"
-        )
-    owner.set_names(names)
-    # Takes back replaced storage (or raises); lays out again if requires_grad changed since it was built.
-    owner.sync_grads()
-    owner.set_buckets(bucket_mb, max_params)
-    return owner

@@ -34,7 +34,8 @@ from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
 from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
-from tfuse.distributed.data_parallel import FusedDataParallel, _uses_default_group
+from tfuse.distributed._wrapping import uses_default_group
+from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.flat import FlatGroup, FlatParams, Shard
 from tfuse.optim import FlatOptimizer
 from tfuse.optim.span import SpanMember, SpanStepper, closure_and_amp
@@ -183,6 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._layouts = [b.flat.layout_version for b in self._buffers]
         self._reducers = self._take_over_reducers()
         self._pending: list[tuple[bool, ...]] | None = None  # gradients already reduced (by clip_grad_norm_)
+        self._ahead = 0  # members stepped by step_ahead since the last step (FusedDataParallel.overlap_step)
         logger.info(
             "ShardedOptimizer: %s over %d ranks, %d flat buffer(s), reduce=%s, gather=%s",
             optimizer_class.__name__,
@@ -234,7 +236,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if reducer is None or reducer.retired:
                 continue
             same_group = reducer.group is self.process_group or (
-                _uses_default_group(reducer.group) and _uses_default_group(self.process_group)
+                uses_default_group(reducer.group) and uses_default_group(self.process_group)
             )
             if not same_group:
                 raise ValueError(
@@ -293,6 +295,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The FlatParams whose buffers are sharded."""
         return self.optim.flat_params
 
+    @property
+    def buffers(self) -> tuple[ShardedBuffer, ...]:
+        """This rank's view of each sharded flat buffer: its shards and the span engine over its own shard."""
+        return tuple(self._buffers)
+
+    @property
+    def spans(self) -> tuple[SpanStepper, ...]:
+        """The span engines stepping this rank's shard of each flat buffer."""
+        return tuple(b.span for b in self._buffers)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: its shards of the state buffers and of the float32 masters."""
         tensors = [t for b in self._buffers for t in (*b.span.state.buffers.values(), b.span.state.master)]
@@ -325,6 +337,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pending = None
         if skip:
             return loss  # inf/NaN in some rank's gradients: every rank skips the step, nothing changes
+        if self._ahead:  # stepped and gathered during backward (every rank stepped the same members ahead)
+            self._ahead = 0
+            active = [_not_ahead(b.span, on) for b, on in zip(self._buffers, active)]
         stepped = []
         for sharded, on in zip(self._buffers, active):
             if any(on):  # (agreed on every rank)
@@ -439,6 +454,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         owner = f"ShardedOptimizer({type(self.optim).__name__})"
         sharded.span.step(self.param_groups, on, grad_scale=grad_scale, owner=owner)
 
+    @torch.no_grad()
+    def step_ahead(self, span: SpanStepper, members: tuple[bool, ...]) -> None:
+        """Steps this rank's shard of the flagged members of ``span`` (one of :attr:`spans`) now, ahead of
+        :meth:`step`: FusedDataParallel's overlapped step calls it for each bucket whose reduce to the owners
+        has landed, and :meth:`gather_ahead` when backward ends. Every rank must step the same members."""
+        self._check_layout()
+        params, ahead = span.params, [m.ahead for m in span.members]
+        active = tuple(on and p.grad is not None and not a for on, p, a in zip(members, params, ahead))
+        for member, on in zip(span.members, active):
+            if on:
+                member.ahead = True
+                self._ahead += 1
+        span.step(self.param_groups, active, owner=f"ShardedOptimizer({type(self.optim).__name__})")
+
+    @torch.no_grad()
+    def gather_ahead(self) -> None:
+        """Brings the parameters stepped by :meth:`step_ahead` to every rank (one gather per buffer, in order)."""
+        for sharded in self._buffers:
+            if any(m.ahead for m in sharded.span.members):
+                current = sharded.span.current_members()
+                gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
+                sharded.span.note_versions(current)
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -473,3 +511,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(rank {self.rank} of {self.world_size}, {self.optim!r})"
+
+
+def _not_ahead(span: SpanStepper, active: tuple[bool, ...]) -> tuple[bool, ...]:
+    """``active`` without the members stepped ahead (whose flags are cleared: the next backward may step them)."""
+    result = tuple(on and not m.ahead for on, m in zip(active, span.members))
+    for member in span.members:
+        member.ahead = False
+    return result
