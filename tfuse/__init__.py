@@ -23,7 +23,7 @@ from tfuse.fusion import FusionReport, FusionStrategy, Setup, fuse_model, setup,
 __version__ = "0.1.0"
 
 # torch.library registration of tfuse's ops imports Inductor: done when torch._dynamo loads (torch.compile).
-from tfuse.ops._library import register_when_dynamo_loads  # noqa: E402
+from tfuse.ops import register_when_dynamo_loads  # noqa: E402
 
 register_when_dynamo_loads()
 

@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tfuse.distributed.data_parallel import FusedDataParallel
-from tfuse.optim._flat_optimizer import FlatOptimizer
+from tfuse.optim import FlatOptimizer
 
 __all__ = ["CapturedStep", "capture_step"]
 

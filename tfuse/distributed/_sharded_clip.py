@@ -53,11 +53,11 @@ def clip_sharded(
     ``pending`` says, per buffer, which members have a gradient (agreed on every rank).
     """
     pieces = []
-    for sharded, on in zip(optimizer._buffers, pending):
+    for sharded, on in zip(optimizer.buffers, pending):
         grad = sharded.group.grad[sharded.shard.start : sharded.shard.end]
         # Only the members with a gradient: slots of the others may hold stale values (they are not stepped).
         pieces += [grad[m.start : m.end] for m, active in zip(sharded.span.members, on) if active and m.end > m.start]
-    dtype = optimizer._buffers[0].group.dtype if optimizer._buffers else torch.float32
+    dtype = optimizer.buffers[0].group.dtype if optimizer.buffers else torch.float32
     if norm_type == 2.0:
         local = sum(
             (torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 for p in pieces),

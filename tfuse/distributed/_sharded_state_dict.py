@@ -50,7 +50,7 @@ class ShardOwner(Protocol):
     world_size: int
     rank: int
     process_group: dist.ProcessGroup | None
-    _buffers: list[_Sharded]
+    buffers: tuple[_Sharded, ...]
 
 
 # ---------------------------------------------------------------------------- sharded
@@ -60,7 +60,7 @@ def _layout(opt: ShardOwner) -> dict[str, Any]:
     """What a sharded state dict must match to load: world size, rank, and each buffer's layout."""
     ids = _param_ids(opt)
     buffers = []
-    for sharded in opt._buffers:
+    for sharded in opt.buffers:
         group = sharded.group
         buffers.append(
             {
@@ -77,7 +77,7 @@ def _layout(opt: ShardOwner) -> dict[str, Any]:
 def sharded_state_dict(opt: ShardOwner) -> dict[str, Any]:
     """This rank's shard of the state (copies), the step counts and the layout."""
     buffers = []
-    for sharded in opt._buffers:
+    for sharded in opt.buffers:
         buffer = sharded.span
         buffers.append(
             {
@@ -133,7 +133,7 @@ def _short(value: Any) -> str:
 def _load_sharded(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     _check_sharded(opt, state_dict)
     _load_groups(opt, state_dict["param_groups"])
-    for sharded, saved in zip(opt._buffers, state_dict["buffers"]):
+    for sharded, saved in zip(opt.buffers, state_dict["buffers"]):
         buffer = sharded.span
         state = buffer.state
         state.buffers.clear()
@@ -169,7 +169,7 @@ def consolidated_state_dict(opt: ShardOwner, to: int) -> dict[str, Any] | None:
     ids = _param_ids(opt)
     optim = opt.optim
     result: dict[int, dict[str, Any]] = {}
-    for sharded in opt._buffers:
+    for sharded in opt.buffers:
         buffer, group = sharded.span, sharded.group
         started = [m for m in buffer.members if m.started]  # the same on every rank (flags are agreed)
         names_of = {m.group: optim.state_names_of(optim.param_groups[m.group]) for m in started}
@@ -218,7 +218,7 @@ def _load_consolidated(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     params = check_saved_state(opt.optim, opt.param_groups, state_dict, owner="ShardedOptimizer")
     _load_groups(opt, state_dict["param_groups"])
     saved_id = {id(param): key for key, param in params.items()}
-    for sharded in opt._buffers:
+    for sharded in opt.buffers:
         span = sharded.span
         span.reset()
         for member in span.members:

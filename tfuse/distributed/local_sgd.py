@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tfuse._backend import select_backend
 from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_tensors
@@ -32,7 +31,8 @@ from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.distributed.local_sgd_options import AdaptiveInterval, OuterSGD
 from tfuse.distributed.sharded import ShardedOptimizer
 from tfuse.flat import FlatParams, flat_params_of
-from tfuse.optim._update import FlatBuffers, RunTable, SGDStep, sgd_update
+from tfuse.optim import FusedSGD
+from tfuse.optim.span import SpanMember, SpanStepper
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,23 @@ _STATE_KEYS = ("iterations", "syncs", "next_sync", "sync_every", "adaptive", "wa
                "outer_started", "snapshots", "momenta")  # fmt: skip
 _NORM_PIECE = 1 << 20  # elements per temporary when measuring the divergence of an outer step
 BUFFER_MODES = ("average", "broadcast", "none")
+
+
+class _OuterRule:
+    """The outer step's update rule for the span engine: FusedSGD's update on the pseudo-gradient."""
+
+    family = FusedSGD.family
+    state_names = FusedSGD.state_names
+    update_row = staticmethod(FusedSGD.update_row)
+
+    def state_names_of(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self.update_row(group, 1, True).state_names
+
+    def pads_stay_zero(self) -> bool:
+        return True  # (padding: snapshot and parameters hold zeros there, so does the pseudo-gradient)
+
+
+_OUTER_RULE = _OuterRule()
 
 
 class LocalSGD:
@@ -210,9 +227,8 @@ class LocalSGD:
     def _trainable_ranges(self) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, int]]]:
         """The trainable range of each flat buffer that has one, and id(parameter) -> (range, start, end)."""
         ranges, places = [], {}
-        for group in self.flat.groups:
-            if not group.trainable_numel:
-                continue
+        self._groups = [group for group in self.flat.groups if group.trainable_numel]
+        for group in self._groups:
             for param, offset in zip(group.params[: group.n_trainable], group.offsets):
                 places[id(param)] = (len(ranges), offset, offset + param.numel())
             ranges.append(group.data[: group.trainable_numel])
@@ -387,7 +403,6 @@ class LocalSGD:
 
     def _outer_step(self, index: int) -> None:
         params, snapshot = self._ranges[index], self._snapshots[index]
-        outer = self.outer_optimizer
         # The pseudo-gradient in the parameters' own storage: G = mean(snapshot - param), no other buffer.
         torch.sub(snapshot, params, out=params)
         params.div_(self.world_size)
@@ -396,13 +411,29 @@ class LocalSGD:
             for start in range(0, params.numel(), _NORM_PIECE):
                 piece = snapshot[start : start + _NORM_PIECE] - params[start : start + _NORM_PIECE]
                 self._mean_squared += torch.linalg.vector_norm(piece, dtype=torch.float64) ** 2
-        state = {"momentum_buffer": self._momenta[index]} if outer.momentum else {}
-        hyper = SGDStep(
-            lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov, first_step=not self._outer_started
-        )
-        backend = select_backend(params.device, "LocalSGD outer step")
-        sgd_update(FlatBuffers(snapshot, params, state), RunTable([(0, params.numel(), 0)]), [hyper], backend=backend)
+        outer = self.outer_optimizer
+        group = dict(
+            lr=outer.lr,
+            momentum=outer.momentum,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=outer.nesterov,
+            maximize=False,
+        )  # torch's SGD on the pseudo-gradient
+        span = self._outer_span(index)
+        span.step([group], (True,) * len(span.members), owner="LocalSGD outer step")
         params.copy_(snapshot)
+
+    def _outer_span(self, index: int) -> SpanStepper:
+        """The span engine over snapshot ``index``: the buffer's layout with the snapshot as the parameters, the
+        pseudo-gradient (in the parameters' range) as the gradients and the outer momentum as its state."""
+        group = self._groups[index]
+        twin = dataclasses.replace(group, data=self._snapshots[index], grad=self._ranges[index])
+        span = SpanStepper(self.flat, twin, _OUTER_RULE, span=(0, group.trainable_numel))
+        span.set_members([SpanMember(p, 0, started=self._outer_started) for p in group.params[: group.n_trainable]])
+        if self._momenta:
+            span.state.buffers["momentum_buffer"] = self._momenta[index]  # (kept here: the state dict has it)
+        return span
 
     def _sync_buffers(self) -> None:
         for (how, _, _), tensors in self._buffer_batches().items():

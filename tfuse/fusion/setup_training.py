@@ -98,7 +98,7 @@ def setup(
     """
     from tfuse import optim as tfuse_optim
     from tfuse.distributed import FusedDataParallel, LocalSGD, ShardedOptimizer
-    from tfuse.optim._flat_optimizer import FlatOptimizer
+    from tfuse.optim import FlatOptimizer
 
     strategy = FusionStrategy() if strategy is None else strategy
     if not isinstance(strategy, FusionStrategy):

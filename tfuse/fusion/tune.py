@@ -198,10 +198,9 @@ def _distinct_layouts(model: nn.Module, candidates: list) -> tuple[list[int], di
     Lays the (copied) model's parameters out in one FlatParams, as FusedDataParallel would, and re-buckets it
     per candidate: no collective, no copy; the wrappers then reuse it.
     """
-    from tfuse.distributed.data_parallel import _parameter_names
     from tfuse.flat import FlatParams, flat_params_of
 
-    names = _parameter_names(model)
+    names = {param: name for name, param in model.named_parameters()}  # (tied parameters once)
     params = list(names)
     flat = flat_params_of(params[0]) or FlatParams([(names[p], p) for p in params])
     kept: dict[tuple, int] = {}

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tfuse.ops._activations import DEFAULT_NEGATIVE_SLOPE, Activation, check_activation
+from tfuse.ops import DEFAULT_NEGATIVE_SLOPE, Activation, check_activation
 
 # Modules keep ``act`` as the public string (it is in their repr and users read
 # and compare it); the helpers below resolve it to its table entry, a dict lookup.

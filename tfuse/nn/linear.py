@@ -7,7 +7,7 @@ import torch.nn.functional as torch_F
 from torch import nn
 
 from tfuse.nn._common import act_repr, fx_leaf_call, resolve_activation, slope_value
-from tfuse.ops._activations import Activation, GradSource
+from tfuse.ops import Activation, GradSource
 from tfuse.ops.add_act import linear_epilogue
 
 

@@ -128,7 +128,8 @@ class FusedAdam(FlatOptimizer):
         # Zero padding stays zero only while the denominator is positive there.
         return all(as_float(g["eps"]) > 0 for g in self.param_groups)
 
-    def update_row(self, group: dict[str, Any], step: int, first: bool) -> AdamStep:
+    @staticmethod
+    def update_row(group: dict[str, Any], step: int, first: bool) -> AdamStep:
         beta1, beta2 = (as_float(b) for b in group["betas"])
         return AdamStep(
             lr=as_float(group["lr"]),

@@ -101,7 +101,8 @@ class FusedSGD(FlatOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def update_row(self, group: dict[str, Any], step: int, first: bool) -> SGDStep:
+    @staticmethod
+    def update_row(group: dict[str, Any], step: int, first: bool) -> SGDStep:
         return SGDStep(
             lr=as_float(group["lr"]),
             momentum=as_float(group["momentum"]),
