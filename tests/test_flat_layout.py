@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tfuse.flat import FlatParams, ParamRange, flat_params_of
+from tfuse.flat import FlatParams, GradHome, ParamRange, flat_params_of
 
 
 def mixed_model(device):
@@ -138,7 +138,7 @@ def test_the_grad_receiver_gets_each_gradient_already_in_the_buffer(device):
 
     def receiver(param):
         home = param.grad is not None and param.grad.data_ptr() == flat.grad_view(param).data_ptr()
-        received.append((param, home, flat.bring_home(param)))
+        received.append((param, home, flat.bring_home(param) is GradHome.IN_BUFFER))
 
     flat.set_grad_receiver(receiver)
     assert flat.grad_receiver is receiver

@@ -21,6 +21,7 @@ checks that every parameter got a gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from tfuse.distributed._overlap import OverlappedStep
 from tfuse.distributed._shard_comm import global_rank
-from tfuse.flat import Bucket, FlatParams
+from tfuse.flat import Bucket, FlatParams, GradHome
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,10 @@ class GradientReducer:
         self.find_unused = find_unused
         self._names = names
         self._owners: _Owners | None = None  # set by a ShardedOptimizer: reduce to shard owners, no all-reduce
+        self.divisor = float(self.world_size * (merge_steps if merge_avg else 1))  # carried by each bucket record
         self._read_layout()
         self.no_sync_depth = 0
         self.forward_skipped = False
-        self._divisor = float(self.world_size * (merge_steps if merge_avg else 1))
         self.merged_passes = 0
         self.synchronized = False
         self.allreduce_calls = 0  # issued by the last synchronizing backward
@@ -90,7 +91,8 @@ class GradientReducer:
         """The bucket tables, from the FlatParams' current layout (and the owners' shards, if sharded)."""
         flat = self.flat
         self.layout_version = flat.layout_version
-        self.buckets: tuple[Bucket, ...] = tuple(flat.buckets)
+        # The FlatParams' buckets, each carrying this reducer's averaging divisor.
+        self.buckets: tuple[Bucket, ...] = tuple(dataclasses.replace(b, divisor=self.divisor) for b in flat.buckets)
         self._regions = [bucket.grad for bucket in self.buckets]
         self._params = [p for bucket in self.buckets for p in bucket.params]
         self._bucket_of = {id(param): index for index, bucket in enumerate(self.buckets) for param in bucket.params}
@@ -243,7 +245,7 @@ class GradientReducer:
         """``param.grad`` is final for this pass: counts it, and issues every bucket whose turn has come."""
         key = id(param)
         index, view = self._homes[key]
-        if param.grad is not view and not self.flat.bring_home(param):
+        if param.grad is not view and self.flat.bring_home(param) is not GradHome.IN_BUFFER:
             return  # create_graph=True keeps the gradient (and its graph) outside until the end of backward
         if key in self._seen:
             raise RuntimeError(
@@ -281,12 +283,12 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(_make_finish(weakref.ref(self)))
 
     def _issue(self, index: int) -> None:
-        region = self._regions[index]
-        if self._divisor != 1:
+        region, divisor = self._regions[index], self.buckets[index].divisor
+        if divisor != 1:
             # One op per bucket, before the sum so that float16/bfloat16 sums stay in range. (Slots of
             # parameters without a gradient hold zeros here: find_unused adopted them as zeros.)
             with torch.no_grad():
-                region.div_(self._divisor)
+                region.div_(divisor)
         issued = len(self._works)
         if not self.reduces_to_owners:
             self._works.append(dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
@@ -312,7 +314,7 @@ class GradientReducer:
                 if id(param) not in self._seen:
                     missing.append(param)
                     # It may still hold a gradient from an earlier merged pass (divided when issued); none: zeros.
-                    self.flat.adopt_grad(param)
+                    self.flat.bring_home(param, final=True)
         for index in range(self._next, len(self.buckets)):
             self._issue(index)
         used_counts = self._all_reduce_used_flags() if self.find_unused else None
@@ -322,13 +324,13 @@ class GradientReducer:
         self._reset_pass()
         if self.reduces_to_owners:
             self._owners.settle(self.group)
-            self.flat.note_written()  # a reduce leaves partial sums (zeroed) and maybe a NaN flag in slots
+            self.flat.note_synchronized()  # a reduce leaves partial sums (zeroed) and maybe a NaN flag in slots
         if used_counts is not None:
             for param, count in zip(self._params, used_counts):
                 if count > 0 and param.grad is None:
-                    self.flat.attach_grad(param)  # used on another rank: it holds the average now
+                    self.flat.bring_home(param, filled=True)  # used on another rank: it holds the average now
         elif missing:
-            self.flat.note_written(missing)  # their slots hold what the other ranks sent
+            self.flat.note_synchronized(missing)  # their slots hold what the other ranks sent
             self._raise_missing(missing)
         self.synchronized = True
         if self.overlap is not None:

@@ -375,11 +375,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if grad_scale is not None:
                 grad.div_(grad_scale.to(grad.device, grad.dtype))
             reduce_to_owners(grad, sharded.shards, self.reduce_mode, self.process_group)
-            sharded.flat.note_written()  # the whole buffer was divided and reduced, slots without gradients too
+            sharded.flat.note_synchronized()  # the whole buffer was divided and reduced, slots without gradients too
             for param in missing:
                 # Its slot now holds the reduction's result, not zeros: the parameter gets it as its gradient
                 # (as DDP gives an unused parameter the average), and FlatParams knows the slot is written.
-                sharded.flat.attach_grad(param)
+                sharded.flat.bring_home(param, filled=True)
         return active, False
 
     def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
@@ -445,7 +445,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             at += len(members)
             adopted.append([m.param for m, mine, anywhere in zip(members, here, on) if anywhere and not mine])
             for param in adopted[-1]:
-                sharded.flat.adopt_grad(param)  # no gradient here: its slot counts as zeros
+                sharded.flat.bring_home(param, final=True)  # no gradient here: its slot counts as zeros
             result.append(on)
         return result, adopted, skip
 

@@ -38,12 +38,22 @@ import torch  # noqa: F401  (the records' string annotations name torch: typing.
 
 from tfuse.flat._copies import _compact_state_dict_hook, register_compact_state_dict
 from tfuse.flat._flat_params import FlatParams
+from tfuse.flat._grad_path import GradHome
 from tfuse.flat._home import flat_params_of
 from tfuse.flat._records import Bucket, FlatGroup, ParamRange, Shard
 
 logger = logging.getLogger(__name__)  # the one logger of the package's modules (they name the package)
 
-__all__ = ["Bucket", "FlatGroup", "FlatParams", "ParamRange", "Shard", "flat_params_of", "register_compact_state_dict"]
+__all__ = [
+    "Bucket",
+    "FlatGroup",
+    "FlatParams",
+    "GradHome",
+    "ParamRange",
+    "Shard",
+    "flat_params_of",
+    "register_compact_state_dict",
+]
 
 
 def _publish(*objects: Any) -> None:

@@ -310,9 +310,9 @@ class FlatParams(_GradPath):
     def grad_buffers(self) -> list[torch.Tensor]:
         """The flat gradient buffers, one per (device, dtype) that has a trainable parameter.
 
-        Handing them out counts as writing every slot (see :meth:`note_written`).
+        Handing them out counts as writing every slot (see :meth:`note_synchronized`).
         """
-        self.note_written()
+        self.note_synchronized()
         return [group.grad for group in self._groups if group.grad is not None]
 
     # ------------------------------------------------------------------ the layout, stated

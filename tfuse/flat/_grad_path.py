@@ -15,6 +15,7 @@ inherits them and owns the state they work on (set up by its ``_setup`` and
 
 from __future__ import annotations
 
+import enum
 import inspect
 import itertools
 import logging
@@ -30,6 +31,16 @@ from tfuse.flat._checks import _DATA_PTR, _REQUIRES_GRAD, _same_memory
 from tfuse.flat._records import FlatGroup, _Slot
 
 logger = logging.getLogger(__package__)  # "tfuse.flat": the package logs under one name
+
+
+class GradHome(enum.Enum):
+    """Where :meth:`FlatParams.bring_home <tfuse.flat.FlatParams.bring_home>` left a parameter's gradient."""
+
+    IN_BUFFER = "in its slot of the flat buffer (param.grad is the view)"
+    ZEROS = "none; its slot holds zeros (grad stays None)"
+    NONE = "none"
+    KEEPS_GRAPH = "outside the buffer: it keeps its graph (create_graph=True)"
+    NO_SLOT = "no gradient slot here"
 
 
 class _GradPath:
@@ -164,24 +175,49 @@ class _GradPath:
         target = self._receiver_of()
         return None if target is None else self._receiver.__get__(target)
 
-    def bring_home(self, param: torch.nn.Parameter) -> bool:
-        """Makes ``param.grad`` its view of the flat gradient buffer; returns whether the gradient is in the buffer.
+    def bring_home(self, param: torch.nn.Parameter, *, final: bool = False, filled: bool = False) -> GradHome:
+        """Makes ``param.grad`` its view of the flat gradient buffer where it can; says where the gradient is.
 
         A gradient that lives elsewhere (set by hand, or accumulated into a
         tensor set by hand) is copied into the view, which becomes
-        ``param.grad``. Returns False, changing nothing, when ``param`` has no
-        gradient, no gradient slot here, or a gradient that keeps its graph
-        (``backward(create_graph=True)``; a later :meth:`sync_grads` copies it).
+        ``param.grad``: :attr:`GradHome.IN_BUFFER`. Otherwise nothing changes
+        and the result says why: no gradient (:attr:`GradHome.NONE`), no slot
+        here (:attr:`GradHome.NO_SLOT`), or a gradient that keeps its graph
+        (``backward(create_graph=True)``, :attr:`GradHome.KEEPS_GRAPH`; a
+        later :meth:`sync_grads` copies it in).
+
+        Args:
+            final: backward is over and the buffer is about to be read whole
+                (a collective): a gradient that keeps its graph is copied in
+                too, and a parameter without a gradient keeps ``grad=None``
+                with its slot made exactly zero (:attr:`GradHome.ZEROS`).
+            filled: the slot holds a gradient written through the buffer (a
+                collective filled in one this process never computed):
+                ``param.grad`` becomes the view as it is.
         """
         home = self._homes.get(id(param))
         if home is None:
-            return False
+            if filled or final:
+                self._view(param)  # (raises KeyError naming the problem)
+            return GradHome.NO_SLOT
         view, slot = home
+        if filled:
+            param.grad = view
+            self._clean[id(param)] = False
+            return GradHome.IN_BUFFER
         grad = param.grad
         if grad is view:
-            return True
-        if grad is None or grad.requires_grad:
-            return False
+            return GradHome.IN_BUFFER
+        if grad is None:
+            if not final:
+                return GradHome.NONE
+            if not self._clean[id(param)]:
+                with torch.no_grad():
+                    view.zero_()
+                self._clean[id(param)] = True
+            return GradHome.ZEROS
+        if grad.requires_grad and not final:
+            return GradHome.KEEPS_GRAPH
         moved = param.data_ptr() != slot.ptr or param.stride() != slot.strides
         if moved and guard.problem(self, param, slot) is not None:
             self._refused = True  # (other strides over the same memory: the pointer check cannot see it)
@@ -195,13 +231,13 @@ class _GradPath:
             )
         self._clean[id(param)] = False
         if _same_memory(grad, view):
-            return True
+            return GradHome.IN_BUFFER
         with torch.no_grad():
             view.copy_(grad)
         param.grad = view
-        return True
+        return GradHome.IN_BUFFER
 
-    def note_written(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+    def note_synchronized(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         """Tells the FlatParams that gradient slots were written through the buffers, not through ``param.grad``.
 
         For code that writes whole gradient buffers or buckets (a collective,
@@ -221,7 +257,7 @@ class _GradPath:
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The view of the flat gradient buffer that holds ``param``'s gradient (with ``param``'s strides).
 
-        Handing it out counts as writing the slot (see :meth:`note_written`).
+        Handing it out counts as writing the slot (see :meth:`note_synchronized`).
         """
         view = self._view(param)
         self._clean[id(param)] = False
@@ -316,40 +352,3 @@ class _GradPath:
         """
         if param.stride() != self._slots[param].strides and guard.problem(self, param, self._slots[param]) is not None:
             raise RuntimeError(guard.message(self, guard.problems(self)))
-
-    def adopt_grad(self, param: torch.nn.Parameter) -> bool:
-        """Makes ``param.grad`` its view of the flat buffer; returns whether it has a gradient.
-
-        A gradient living elsewhere (set by hand, or accumulated into a tensor
-        set by hand) is copied into the view first. A parameter whose
-        ``grad`` is None keeps None, and its view is zeroed (unless already
-        zero) so that the buffer holds exactly zero for it.
-        """
-        view = self._view(param)
-        grad = param.grad
-        if grad is None:
-            if not self._clean[id(param)]:
-                with torch.no_grad():
-                    view.zero_()
-                self._clean[id(param)] = True
-            return False
-        if grad is not view and not _same_memory(grad, view):
-            if grad.is_sparse:
-                raise RuntimeError("FlatParams: sparse gradients cannot live in a flat buffer")
-            self._check_layout(param)
-            with torch.no_grad():
-                view.copy_(grad)
-            param.grad = view
-        self._clean[id(param)] = False
-        return True
-
-    def attach_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Sets ``param.grad`` to its view of the flat buffer as it is (no zeroing) and returns it.
-
-        For code that wrote the gradient into the buffer itself, e.g. an
-        all-reduce that filled in a gradient this process never computed.
-        """
-        view = self._view(param)
-        param.grad = view
-        self._clean[id(param)] = False
-        return view

@@ -51,6 +51,9 @@ class Bucket:
         start, end: element range in that buffer.
         params: the parameters whose gradients lie in the range, in the order they get them in backward.
         grad: the range as a view of the gradient buffer (what a collective sends and receives).
+        divisor: what the range is divided by before it is summed over the ranks (a data-parallel
+            average: the world size, times the merged backward passes when those are averaged too;
+            1: a plain sum). Divided before the sum so that float16/bfloat16 sums stay in range.
     """
 
     buffer_index: int
@@ -58,6 +61,7 @@ class Bucket:
     end: int
     params: tuple[torch.nn.Parameter, ...]
     grad: torch.Tensor = dataclasses.field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+    divisor: float = 1.0
 
     @property
     def numel(self) -> int:
