@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from tfuse.distributed._checks import require_process_group
+from tfuse.distributed._outer_step import outer_group, outer_span
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._state_sync import broadcast_tensors
 from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.distributed.local_sgd_options import AdaptiveInterval, OuterSGD
 from tfuse.distributed.sharded import ShardedOptimizer
 from tfuse.flat import FlatParams, flat_params_of
-from tfuse.optim import FusedSGD
-from tfuse.optim.span import SpanMember, SpanStepper
 
 logger = logging.getLogger(__name__)
 
@@ -41,23 +40,6 @@ _STATE_KEYS = ("iterations", "syncs", "next_sync", "sync_every", "adaptive", "wa
                "outer_started", "snapshots", "momenta")  # fmt: skip
 _NORM_PIECE = 1 << 20  # elements per temporary when measuring the divergence of an outer step
 BUFFER_MODES = ("average", "broadcast", "none")
-
-
-class _OuterRule:
-    """The outer step's update rule for the span engine: FusedSGD's update on the pseudo-gradient."""
-
-    family = FusedSGD.family
-    state_names = FusedSGD.state_names
-    update_row = staticmethod(FusedSGD.update_row)
-
-    def state_names_of(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self.update_row(group, 1, True).state_names
-
-    def pads_stay_zero(self) -> bool:
-        return True  # (padding: snapshot and parameters hold zeros there, so does the pseudo-gradient)
-
-
-_OUTER_RULE = _OuterRule()
 
 
 class LocalSGD:
@@ -411,29 +393,10 @@ class LocalSGD:
             for start in range(0, params.numel(), _NORM_PIECE):
                 piece = snapshot[start : start + _NORM_PIECE] - params[start : start + _NORM_PIECE]
                 self._mean_squared += torch.linalg.vector_norm(piece, dtype=torch.float64) ** 2
-        outer = self.outer_optimizer
-        group = dict(
-            lr=outer.lr,
-            momentum=outer.momentum,
-            dampening=0.0,
-            weight_decay=0.0,
-            nesterov=outer.nesterov,
-            maximize=False,
-        )  # torch's SGD on the pseudo-gradient
-        span = self._outer_span(index)
-        span.step([group], (True,) * len(span.members), owner="LocalSGD outer step")
+        momentum = self._momenta[index] if self._momenta else None
+        span = outer_span(self.flat, self._groups[index], snapshot, params, momentum, self._outer_started)
+        span.step([outer_group(self.outer_optimizer)], (True,) * len(span.members), owner="LocalSGD outer step")
         params.copy_(snapshot)
-
-    def _outer_span(self, index: int) -> SpanStepper:
-        """The span engine over snapshot ``index``: the buffer's layout with the snapshot as the parameters, the
-        pseudo-gradient (in the parameters' range) as the gradients and the outer momentum as its state."""
-        group = self._groups[index]
-        twin = dataclasses.replace(group, data=self._snapshots[index], grad=self._ranges[index])
-        span = SpanStepper(self.flat, twin, _OUTER_RULE, span=(0, group.trainable_numel))
-        span.set_members([SpanMember(p, 0, started=self._outer_started) for p in group.params[: group.n_trainable]])
-        if self._momenta:
-            span.state.buffers["momentum_buffer"] = self._momenta[index]  # (kept here: the state dict has it)
-        return span
 
     def _sync_buffers(self) -> None:
         for (how, _, _), tensors in self._buffer_batches().items():

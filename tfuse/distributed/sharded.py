@@ -86,44 +86,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gloo), ``"all_gather"`` or ``"broadcast"``.
         **defaults: the optimizer class's arguments (``lr``, ``betas``, ...).
 
-    Gradients, on a plain model: :meth:`step` averages each rank's gradients
-    into their owners (divided by the world size before summing, as DDP
-    does). A parameter whose gradient is None on every rank is skipped, as
-    torch skips it; one with a gradient on some ranks only is stepped with
-    the others counting zero. After :meth:`step` the gradient buffers hold
-    partial sums outside this rank's shard (what the reduction left there).
-
-    Under :class:`~tfuse.distributed.FusedDataParallel` (pass the wrapper,
-    its ``flat`` or its parameters): the optimizer puts the wrapper into
-    sharded mode, so backward reduces each bucket straight to the owners of
-    its shards while it runs, with no all-reduce at all, and :meth:`step`
-    reduces nothing. The optimizer must then hold all of the wrapper's
-    trainable parameters, over the same process group (else ValueError).
-    After such a backward every rank holds the averaged gradient in its own
-    shards and zeros elsewhere; an inf/NaN in any rank's shard is made
-    visible on every rank, as an all-reduce would, so GradScaler skips and
-    rescales alike everywhere. ``no_sync()`` and gradient merge work as
-    without sharding; :meth:`step` after a backward that did not synchronize
-    (``model.gradients_synchronized`` False) raises RuntimeError. Deleting
-    the optimizer puts the wrapper back to all-reduce.
-
-    Clipping: :meth:`clip_grad_norm_` (the norm of the sharded gradients,
-    one scalar all-reduce); ``tfuse.optim.clip_grad_norm_`` given these
-    parameters calls it. ``torch.nn.utils.clip_grad_norm_`` would see one
-    rank's shard only: after a sharded backward, :meth:`step` raises
-    RuntimeError when the shards were rescaled by factors that differ
-    between ranks (and nothing is stepped); on a plain model it would clip
-    each rank's local gradients before the average, which nothing can see.
-
-    ``torch.amp.GradScaler`` works as with the fused optimizers: its
-    ``found_inf`` is agreed across ranks (carried by the step's flag
-    all-reduce), so a step with inf/NaN on any rank is skipped on every
-    rank; each rank divides its own scale out before the reduction.
-
-    ``master_weights=True`` (float16/bfloat16 parameters): each rank keeps
-    float32 masters for its shard only, next to its shard of the float32
-    state; the update writes the masters and their rounding into the
-    parameters, which the all-gather brings to every rank.
+    How gradients reach the owners (on a plain model, or during backward
+    under :class:`~tfuse.distributed.FusedDataParallel`, which the optimizer
+    puts into sharded mode), clipping, GradScaler and master weights are
+    described in docs/architecture.md ("ShardedOptimizer").
 
     Example (on each of ``world_size`` ranks, after ``dist.init_process_group``):
         >>> import torch
