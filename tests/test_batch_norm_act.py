@@ -13,6 +13,8 @@ import tfuse
 from tfuse.functional import batch_norm_act
 from tfuse.nn import FusedBatchNormAct1d, FusedBatchNormAct2d
 from tfuse.ops import _arrivals
+from tfuse.ops import _bn_geometry as bn_geometry
+from tfuse.ops import _bn_plans as bn_plans
 from tfuse.ops import batch_norm as bn_ops
 
 from helpers import ACTIVATION_NAMES, PATH_ACTIVATIONS, assert_batch_norm_input_grad_accurate, make_input, torch_activation
@@ -410,9 +412,9 @@ def test_last_programs_merge_every_group(shape, layout, seg, levels, device, mon
     """Statistics, gradients and running statistics through the merges; levels=2 forces blocks of at most 2
     chunks (3 chunks: blocks of 2 and 1) and one item per merge step, as large grids get."""
     if levels == 2:
-        monkeypatch.setattr(bn_ops, "_forward_plans", {})  # plans of their own, dropped after the test
-        monkeypatch.setattr(bn_ops, "_chunks_per_block", lambda chunks, per_step: 2 if chunks > 2 else 1)
-        monkeypatch.setattr(bn_ops, "MERGE_TILE", 1)
+        monkeypatch.setattr(bn_plans, "_forward_plans", {})  # plans of their own, dropped after the test
+        monkeypatch.setattr(bn_geometry, "_chunks_per_block", lambda chunks, per_step: 2 if chunks > 2 else 1)
+        monkeypatch.setattr(bn_geometry, "MERGE_TILE", 1)
     channels = shape[1]
     reference = nn.BatchNorm2d(channels).to(device)
     with torch.no_grad():
@@ -452,17 +454,17 @@ def test_last_programs_merge_every_group(shape, layout, seg, levels, device, mon
 def test_arrival_counters_outlive_their_plans_and_zero_after_a_capture(device, monkeypatch):
     """Counters of dropped plans are kept (a captured CUDA graph may still use them) and taken over by new
     plans; counters allocated during a capture (whose zero fill runs on replay only) are filled at first use."""
-    monkeypatch.setattr(bn_ops, "_forward_plans", {})
-    monkeypatch.setattr(bn_ops, "_spare_counters", {})
+    monkeypatch.setattr(bn_plans, "_forward_plans", {})
+    monkeypatch.setattr(bn_plans, "_spare_counters", {})
     x = torch.randn(4, 3, 2, 2, device=device)
     batch_norm_act(x, None, None, training=True)
-    (plan,) = bn_ops._forward_plans.values()
+    (plan,) = bn_plans._forward_plans.values()
     counters = plan.counters
-    bn_ops._drop_plans()
-    assert not bn_ops._forward_plans and bn_ops._spare_counters
+    bn_plans._drop_plans()
+    assert not bn_plans._forward_plans and bn_plans._spare_counters
     batch_norm_act(x, None, None, training=True)
-    (plan,) = bn_ops._forward_plans.values()
-    assert plan.counters is counters and not bn_ops._spare_counters[(counters.tensor.device, counters.tensor.numel())]
+    (plan,) = bn_plans._forward_plans.values()
+    assert plan.counters is counters and not bn_plans._spare_counters[(counters.tensor.device, counters.tensor.numel())]
     monkeypatch.setattr(_arrivals, "_capturing", lambda device: True)
     captured = _arrivals.ArrivalCounters(3, device)
     monkeypatch.setattr(_arrivals, "_capturing", lambda device: False)
@@ -585,7 +587,7 @@ def test_resnet_shapes_get_16_byte_alignment(shape, layout, seg, vec):
 def test_cumulative_average_keeps_one_plan_and_follows_torch(device, monkeypatch):
     """momentum=None changes the update factor every step (1 / num_batches_tracked): a runtime argument, so
     the layer keeps one forward plan (its prepared launches) while its running statistics follow torch's."""
-    monkeypatch.setattr(bn_ops, "_forward_plans", {})
+    monkeypatch.setattr(bn_plans, "_forward_plans", {})
     fused = FusedBatchNormAct2d(3, act="relu", momentum=None).to(device)
     reference = torch.nn.BatchNorm2d(3, momentum=None).to(device)
     for step in range(3):
@@ -594,4 +596,4 @@ def test_cumulative_average_keeps_one_plan_and_follows_torch(device, monkeypatch
         torch.testing.assert_close(y, torch.relu(reference(x)))
         torch.testing.assert_close(fused.running_mean, reference.running_mean)
         torch.testing.assert_close(fused.running_var, reference.running_var)
-    assert len(bn_ops._forward_plans) == 1
+    assert len(bn_plans._forward_plans) == 1
