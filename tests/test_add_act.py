@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tfuse
 import tfuse.ops.add_act as add_act_op
-from tfuse.ops import _tiles
+from tfuse.ops import _add_act_backward, _add_act_forward, _tiles
 
 from conftest import ON_CUDA
 from helpers import ACTIVATION_NAMES, PATH_ACTIVATIONS, make_input, torch_activation, unit_roundoff
@@ -37,9 +37,10 @@ PATTERNS = {
 def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs and gradient buffers start as NaN, so an unwritten element fails."""
     allocate = _tiles.empty_broadcast_output
-    monkeypatch.setattr(add_act_op, "empty_broadcast_output", lambda *a, **k: allocate(*a, **k).fill_(float("nan")))
-    empty_grad = add_act_op._empty_grad
-    monkeypatch.setattr(add_act_op, "_empty_grad", lambda *a, **k: empty_grad(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(_add_act_forward, "empty_broadcast_output",
+                        lambda *a, **k: allocate(*a, **k).fill_(float("nan")))
+    empty_grad = _add_act_backward._empty_grad
+    monkeypatch.setattr(_add_act_backward, "_empty_grad", lambda *a, **k: empty_grad(*a, **k).fill_(float("nan")))
 
 
 def slope_kwargs(act: str, slope: float) -> dict:

@@ -23,7 +23,7 @@ import tfuse
 from tfuse import _launch
 from tfuse.functional import relu_depthwise_conv2d
 from tfuse.nn import FusedActDepthwiseConv2d
-from tfuse.ops import _arrivals
+from tfuse.ops import _arrivals, _depthwise_triton
 from tfuse.ops import depthwise as dw_ops
 
 from conftest import ON_CUDA
@@ -296,9 +296,9 @@ MERGES = [  # shape, layout, bias, merge step (None: the launcher's), the merge'
 def test_weight_gradient_merges_many_chunks(device, monkeypatch, shape, layout, bias, step, merge):
     """Chunks of one tile each, as many as a GPU's grid has (the interpreter's target makes one): the last program
     of each (tap, channel block) to arrive adds them up, in chunk order, and leaves its counter at 0."""
-    monkeypatch.setattr(dw_ops, "_chunks", lambda tiles, programs_per_chunk, device: (tiles, 1))
+    monkeypatch.setattr(_depthwise_triton, "_chunks", lambda tiles, programs_per_chunk, device: (tiles, 1))
     if step is not None:
-        monkeypatch.setattr(dw_ops, "_MERGE_CHUNKS", step)
+        monkeypatch.setattr(_depthwise_triton, "_MERGE_CHUNKS", step)
     x, weight, b = make_case(shape, (3, 3), torch.float32, device, layout, bias)
     seen = []
     with tfuse.use_backend("triton"), _launch.watch_launches(lambda *launch: seen.append(launch)):
@@ -332,7 +332,7 @@ def test_int64_offsets(device, monkeypatch):
     x, weight, bias = make_case((2, 3, 7, 7), (3, 3), torch.float64, device, "channels_last")
     with tfuse.use_backend("triton"):
         expected = run(x, weight, bias, 2, 1, 1)
-        monkeypatch.setattr(dw_ops, "needs_int64", lambda largest: True)
+        monkeypatch.setattr(_depthwise_triton, "needs_int64", lambda largest: True)
         got = run(x, weight, bias, 2, 1, 1, gy=expected[1])
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     for a, b in zip(got[2], expected[2]):

@@ -18,7 +18,7 @@ import tfuse
 from conftest import ON_CUDA
 from optim_helpers import backward, make_pair, run_side_by_side, saved
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
-from tfuse.optim import _update
+from tfuse.optim import _torch_probe
 
 from helpers import run_command
 
@@ -239,8 +239,8 @@ def test_describe_names_the_float32_route_for_low_precision(monkeypatch, device)
     with tfuse.use_backend("torch"):
         masters = FusedAdamW(model.parameters(), master_weights=True)
         assert "torch._fused_adamw_ on the float32 master weights" in masters.describe()
-        monkeypatch.setattr(_update, "_NATIVE_OK", {("_fused_sgd_", torch.bfloat16, device.type): False,
-                                                    ("_fused_adam_", torch.bfloat16, device.type): True})
+        monkeypatch.setattr(_torch_probe, "_NATIVE_OK", {("_fused_sgd_", torch.bfloat16, device.type): False,
+                                                          ("_fused_adam_", torch.bfloat16, device.type): True})
         other = make_pair(device)[0].to(torch.bfloat16)
         assert "on float32 copies rounded to bfloat16" in FusedSGD(other.parameters(), lr=0.1).describe()
         native = make_pair(device)[0].to(torch.bfloat16)

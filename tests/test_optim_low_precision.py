@@ -11,7 +11,7 @@ from torch import nn
 import tfuse
 from optim_helpers import LOW_PRECISION, assert_rounded_from, float32_for_loop_reference, make_pair, run_low_precision_step_by_step
 from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
-from tfuse.optim import _update
+from tfuse.optim import _torch_path, _torch_probe, _update_buffers
 from tfuse.optim._update import native_low_precision_ok
 
 DTYPE_IDS = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -64,7 +64,7 @@ def test_the_float32_route_matches_torch_for_every_kernel(case, dtype, monkeypat
     """The route a failing kernel takes (float32 copies, rounded back) is right for every kernel,
     whatever the probe says on this torch version."""
     fused_cls, torch_cls, options = case
-    monkeypatch.setattr(_update, "_NATIVE_OK", every_kernel(False, device))
+    monkeypatch.setattr(_torch_probe, "_NATIVE_OK", every_kernel(False, device))
     model, _ = make_pair(device, dtype)
     optimizer = fused_cls(model.parameters(), **options)
     with tfuse.use_backend("torch"):
@@ -86,7 +86,7 @@ def test_grad_scale_is_divided_out_and_gradients_left_unscaled(fused_cls, torch_
         # The native route exists only where torch's kernel passes the probe; the float32 route (native=False)
         # is tested for every kernel in the same parametrization.
         pytest.skip(f"torch.{kernel} for {dtype} on {device.type} fails tfuse's check on this torch version")
-    monkeypatch.setattr(_update, "_NATIVE_OK", every_kernel(native, device))
+    monkeypatch.setattr(_torch_probe, "_NATIVE_OK", every_kernel(native, device))
     model, _ = make_pair(device, dtype)
     optimizer = fused_cls(model.parameters(), **options)
     scale = 64.0
@@ -137,9 +137,9 @@ def test_the_check_catches_kernels_that_skip_or_garble_low_precision(fused_cls, 
 
     for fake, expected in ((upcasting, True), (skipping, False), (no_weight_decay, False)):
         monkeypatch.setattr(torch, kernel, fake)
-        monkeypatch.setattr(_update, "_NATIVE_OK", {})
+        monkeypatch.setattr(_torch_probe, "_NATIVE_OK", {})
         assert native_low_precision_ok(fused_cls.family, kernel, dtype, device) is expected, fake.__name__
-        assert _update._NATIVE_OK == {(kernel, dtype, device.type): expected}  # checked once, remembered
+        assert _torch_probe._NATIVE_OK == {(kernel, dtype, device.type): expected}  # checked once, remembered
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=DTYPE_IDS.get)
@@ -155,18 +155,18 @@ def test_a_failing_kernel_is_routed_around_in_the_step(dtype, monkeypatch, devic
                 param.copy_(old)
 
     monkeypatch.setattr(torch, "_fused_adam_", skipping)
-    monkeypatch.setattr(_update, "_NATIVE_OK", {})
+    monkeypatch.setattr(_torch_probe, "_NATIVE_OK", {})
     model, _ = make_pair(device, dtype)
     optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
     with tfuse.use_backend("torch"):
         run_low_precision_step_by_step(model, optimizer, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), 4, device,
                                        dtype, zero_grads=False)
         assert "float32 copies" in optimizer.describe()
-    assert _update._NATIVE_OK[("_fused_adam_", dtype, device.type)] is False
+    assert _torch_probe._NATIVE_OK[("_fused_adam_", dtype, device.type)] is False
 
 
 def test_the_check_leaves_the_global_random_state_alone(monkeypatch, device):
-    monkeypatch.setattr(_update, "_NATIVE_OK", {})
+    monkeypatch.setattr(_torch_probe, "_NATIVE_OK", {})
     before = torch.random.get_rng_state()
     assert native_low_precision_ok(FusedAdam.family, "_fused_adam_", torch.bfloat16, device) in (True, False)
     assert torch.equal(torch.random.get_rng_state(), before)
@@ -174,9 +174,9 @@ def test_the_check_leaves_the_global_random_state_alone(monkeypatch, device):
 
 def test_the_float32_route_works_in_bounded_batches(monkeypatch, device):
     """Runs longer than a batch are upcast a batch at a time, each element exactly once."""
-    monkeypatch.setattr(_update, "TORCH_PIECE", 8)
-    monkeypatch.setattr(_update, "UPCAST_BATCH", 24)
-    monkeypatch.setattr(_update, "_NATIVE_OK", every_kernel(False, device))
+    monkeypatch.setattr(_update_buffers, "TORCH_PIECE", 8)
+    monkeypatch.setattr(_torch_path, "UPCAST_BATCH", 24)
+    monkeypatch.setattr(_torch_probe, "_NATIVE_OK", every_kernel(False, device))
     model, _ = make_pair(device, torch.bfloat16)
     options = dict(lr=0.05, momentum=0.9, nesterov=True)
     with tfuse.use_backend("torch"):
