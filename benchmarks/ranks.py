@@ -11,6 +11,9 @@ rank shares:
 - a rank that finished meets the others at a barrier before tearing down, so
   nobody closes its connections while a peer still talks to it; a rank that
   raised skips the barrier (its peers would wait for it until the timeout).
+
+:func:`time_steps` times step functions on every rank in interleaved rounds
+(the slowest rank's time of each call).
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import datetime
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .harness import round_order
 
 
 @contextlib.contextmanager
@@ -89,3 +95,35 @@ def launch(name: str, target: Callable[..., None], world: int, backend: str, qui
         if stuck or any(code != 0 for code in codes):
             raise RuntimeError(f"{name} benchmark: ranks exited with {codes} ({len(stuck)} killed after the deadline)")
         return json.loads(Path(out_file).read_text())
+
+
+def time_steps(steps: Sequence[Callable[[], Any]], device: torch.device, rounds: int, iterations: int,
+               progress: str) -> list[list[float]]:
+    """Per function of ``steps``, the slowest rank's time of every timed call (ms): ``rounds x iterations`` samples.
+
+    Every rank calls this with the same steps in the same order (they may run
+    collectives). Round r runs each step ``iterations`` times, starting from a
+    different one each round (:func:`~benchmarks.harness.round_order`), so drift
+    on a shared machine hits them all alike; a barrier precedes every timed call
+    (and on a GPU a synchronize, before and after). No warm-up: the caller warms
+    up. Rank 0 prints ``[<progress>, round i/n, t s]`` to stderr before each round.
+    """
+    times: list[list[float]] = [[] for _ in steps]
+    start = time.perf_counter()
+    for round_index in range(rounds):
+        if dist.get_rank() == 0:
+            print(f"[{progress}, round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
+                  f"{len(steps)} configurations x {iterations} steps", file=sys.stderr, flush=True)
+        for index in round_order(round_index, len(steps)):
+            for _ in range(iterations):
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                begin = time.perf_counter()
+                steps[index]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[index].append((time.perf_counter() - begin) * 1e3)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.cpu().tolist()

@@ -123,8 +123,8 @@ def _configs(model_name: str, shapes: list[tuple[int, ...]], device: torch.devic
     ]
     for config in configs:  # the first step creates the optimizer state
         config.step()
-    # Private attribute: the flat state buffers of the unsharded FusedAdam (its per-parameter state are views).
-    unsharded_state = sum(_tensor_bytes(b.state.buffers.values()) for b in fused_adam._buffers)
+    # The flat state buffers of the unsharded FusedAdam (its per-parameter state are views), one span per buffer.
+    unsharded_state = sum(_tensor_bytes(span.state.buffers.values()) for span in fused_adam.spans)
     states = (sharded.state_bytes(), sharded_fdp.state_bytes(), sharded_fdp_ar.state_bytes(), unsharded_state,
               _torch_state_bytes(zero.optim))
     for config, state in zip(configs, states):

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "localsgd", "compile", "e2e",
-       "host"]
+ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "overlap", "localsgd",
+       "compile", "e2e", "host"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -251,6 +251,38 @@ def test_allreduce_sync_time_is_flagged_by_its_own_spread_and_sign():
     assert all(row["flags"]["ms"].reason.startswith("stalled") for row in rows)
 
 
+def _overlap_result(canary: list[float]) -> dict:
+    """What rank 0 of the overlap benchmark writes, with injected step times (ms)."""
+    from benchmarks import overlap
+
+    times = {overlap.DDP: [100.0, 101.0, 102.0, 103.0, 104.0], overlap.PLAIN: [90.0, 91.0, 92.0, 93.0, 94.0],
+             overlap.OVERLAP: [60.0, 61.0, 80.0, 101.0, 160.0], overlap.CANARY: canary}
+    rows = [dict(workload=workload, label=label, samples=list(samples), launches=None if label == overlap.CANARY else 0,
+                 calls=None if label == overlap.CANARY else 5, ahead=5 if label == overlap.OVERLAP else None)
+            for workload in (overlap.RESNET, overlap.CNN) for label, samples in times.items()]
+    info = dict(tensors=161, numel=25_557_032, source="hard-coded", bucket_mb=25.0, batch=16, side=32,
+                optimizer="FusedMomentum: 0 Triton launches per step")
+    return {"rows": rows, "rounds": 5, "iterations": 1, "workloads": {overlap.RESNET: info, overlap.CNN: info},
+            "checks": ["ResNet-50 gradient set: bit-identical", "small CNN: bit-identical"]}
+
+
+def test_overlap_table_on_injected_times():
+    """Ratios to DDP per workload, the canary row dropped, a stall marking its workload's rows; no ranks started."""
+    from benchmarks import overlap
+
+    shapes, _ = overlap.resnet50_shapes()  # (it checks 161 tensors, 25,557,032 elements itself)
+    assert len(overlap.narrowed(shapes, overlap.QUICK_NARROWING)) == 161
+    table = overlap.report(_overlap_result([0.2] * 5), "gloo", _context()).markdown(_context().machine)
+    rows = _table_rows(table)
+    assert [row["setup"] for row in rows] == [overlap.DDP, overlap.PLAIN, overlap.OVERLAP] * 2
+    assert [row["vs DDP"] for row in rows[:3]] == ["1.00x", "0.90x", "0.78x (noisy)"]  # 80/102; IQR 40 of 80 ms
+    assert rows[2]["min–max ms"] == "60.0–160.0" and rows[2]["stepped ahead"] == "5 of 5"
+    assert rows[0]["stepped ahead"] == "-" and rows[0]["check"] == "ok"
+    assert "bit-identical" in table and "CPU run:" in table
+    stalled = overlap.report(_overlap_result([7.99] * 5), "gloo", _context()).markdown(_context().machine)
+    assert all(row["check"].startswith("implausible: stalled") for row in _table_rows(stalled))
+
+
 def test_the_table_marks_flagged_numbers_and_says_why():
     h = _harness()
     ok = _finished_row({"tfuse": _timing(1.0, 1.0, 1.0), "eager": _timing(2.0, 2.0, 2.0)}, nbytes=1000,
@@ -469,6 +501,26 @@ def test_sharded_benchmark(quick_run):
     # Two ranks: each keeps about half the Adam state (shards are aligned, so a little over half).
     for sharded in ("tfuse ShardedOptimizer(FusedAdam)", "tfuse FusedDataParallel + ShardedOptimizer(FusedAdam)"):
         assert float(by_config[sharded]["state vs unsharded"].rstrip("x")) <= 0.55
+    _time_cells(rows, "step ms")
+
+
+def test_overlap_benchmark(quick_run):
+    """--quick: both workloads, three setups each; the overlap was checked bit for bit and engaged on every bucket."""
+    table, rows = _table(quick_run, "overlap")
+    setups = ["torch DDP + torch SGD(momentum=0.9, fused=True)", "tfuse FusedDataParallel + FusedMomentum",
+              "tfuse FusedDataParallel + FusedMomentum, overlap_step"]
+    assert [(row["workload"], row["setup"]) for row in rows] == [
+        (workload, setup) for workload in ("ResNet-50 gradient set (--quick)", "small CNN") for setup in setups]
+    for row in rows:
+        if row["setup"] != setups[0]:
+            assert int(row["all-reduce calls"]) >= 3  # several buckets
+        if row["setup"] == setups[2]:
+            calls = row["all-reduce calls"]
+            assert re.fullmatch(rf"{calls} of {calls} \((\d+) in backward\)", row["stepped ahead"]), row
+            assert int(re.search(r"\((\d+) in", row["stepped ahead"]).group(1)) <= int(calls)
+    assert table.count("bit-identical after 3 steps") == 2
+    if "(CPU)" in table:  # timed on tfuse's PyTorch path, not through the interpreter
+        assert "Triton launches counted in one step of each setup: 0." in table
     _time_cells(rows, "step ms")
 
 

@@ -78,7 +78,8 @@ class OverlappedStep:
         self.optimizer = weakref.ref(optimizer)
         self._finish = finish
         self.mode = PROBING
-        self.stepped_buckets = 0  # buckets stepped ahead in the last synchronizing pass (a test reads it)
+        self.stepped_buckets = 0  # buckets stepped ahead in the last synchronizing pass
+        self.stepped_in_backward = 0  # of which while backward still ran (the rest: when it ended)
         self._masks: list[list[tuple[SpanStepper, tuple[bool, ...]]]] = []
         self._masks_key: Any = None
         self._pending: collections.deque[tuple[int, list[Any]]] = collections.deque()
@@ -96,7 +97,7 @@ class OverlappedStep:
     def start_pass(self, buckets: tuple[Bucket, ...], find_unused: bool) -> None:
         """A synchronizing backward pass begins."""
         self._pending.clear()
-        self.stepped_buckets = 0
+        self.stepped_buckets = self.stepped_in_backward = 0
         if self.mode != ON:
             return
         if self._ahead:
@@ -119,6 +120,7 @@ class OverlappedStep:
 
     def finish_pass(self) -> None:
         """Backward ended and every collective completed: steps the buckets left, then notes the gradients' state."""
+        self.stepped_in_backward = self.stepped_buckets
         while self._pending:
             self._step_bucket(*self._pending.popleft())
         if self._finish is not None and self._ahead:
