@@ -11,6 +11,7 @@ process anchors the plain run to an independent reference.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -197,7 +198,7 @@ def clipping(rank: int, world: int) -> dict:
 
 def misuse(rank: int, world: int) -> dict:
     """Two synchronizing backward passes without a step between them; a GradScaler that appears late."""
-    net, optimizer, _ = _pair("sgd")[1]
+    net, optimizer, schedule = _pair("sgd")[1]
     x, y = batch(0, world)
     for _ in range(2):  # the first step decides: overlap on
         loss_of(net, _rows(x, rank), _rows(y, rank), 0, False).backward()
@@ -218,7 +219,12 @@ def misuse(rank: int, world: int) -> dict:
         scaler.step(optimizer)
     except RuntimeError as error:
         late = str(error)
-    return {"twice": twice, "late": late}
+    del optimizer, scaler, schedule
+    gc.collect()
+    before = [p.detach().clone() for p in net.parameters()]
+    loss_of(net, _rows(x, rank), _rows(y, rank), 0, False).backward()  # its optimizer is gone: nothing steps
+    untouched = all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    return {"twice": twice, "late": late, "untouched": untouched, "mode": net._reducer.overlap.mode}
 
 
 def sharded(rank: int, world: int) -> dict:

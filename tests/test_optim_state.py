@@ -344,3 +344,24 @@ def test_channels_last_master_weights_are_the_parameters_values(backend, device)
         master = optimizer.state[param]["master_param"]
         assert master.stride() == param.stride()
         torch.testing.assert_close(master.to(torch.bfloat16), param.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedMomentum])
+def test_a_deleted_optimizer_frees_its_state_at_once(cls):
+    """No reference cycle through the span engines: ``del optimizer`` frees its state without waiting for
+    the garbage collector (large state on a GPU is freed when the user deletes the optimizer)."""
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = cls(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    gone = weakref.ref(optimizer)
+    state = weakref.ref(optimizer.spans[0].state.ensure(optimizer.state_names[0]))
+    gc.disable()
+    try:
+        del optimizer
+        assert gone() is None and state() is None
+    finally:
+        gc.enable()

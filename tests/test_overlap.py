@@ -78,6 +78,7 @@ def test_misuse_raises_naming_the_problem(world2):
     for result in scenario(world2, "misuse"):
         assert "second synchronizing backward pass before optimizer.step()" in result["twice"]
         assert "GradScaler drives this step" in result["late"]
+        assert result["untouched"] and result["mode"] == "off"  # the optimizer was deleted: backward steps nothing
 
 
 def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):

@@ -80,7 +80,9 @@ class OverlappedStep:
         self.mode = PROBING
         self.stepped_buckets = 0  # buckets stepped ahead in the last synchronizing pass
         self.stepped_in_backward = 0  # of which while backward still ran (the rest: when it ended)
-        self._masks: list[list[tuple[SpanStepper, tuple[bool, ...]]]] = []
+        # Per bucket: (index into optimizer.spans, which of that span's members are in the bucket). Indices, not
+        # the spans: a span holds its optimizer (its rule), which this object must not keep alive.
+        self._masks: list[list[tuple[int, tuple[bool, ...]]]] = []
         self._masks_key: Any = None
         self._pending: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self._poll = True
@@ -98,6 +100,11 @@ class OverlappedStep:
         """A synchronizing backward pass begins."""
         self._pending.clear()
         self.stepped_buckets = self.stepped_in_backward = 0
+        if self.mode == ON and self.optimizer() is None:
+            self.mode = OFF
+            logger.warning(
+                "FusedDataParallel.overlap_step: its optimizer was deleted; backward steps nothing from now on"
+            )
         if self.mode != ON:
             return
         if self._ahead:
@@ -131,8 +138,7 @@ class OverlappedStep:
 
     def _read_masks(self, buckets: tuple[Bucket, ...]) -> None:
         """Per bucket, the optimizer's spans it meets and which of their members are in it (cached per layout)."""
-        optimizer = self._optimizer()
-        spans = [s for s in optimizer.spans if s.flat is self.flat]
+        spans = self._optimizer().spans
         key = (self.flat.layout_version, tuple((id(s), len(s.members)) for s in spans), len(buckets))
         if key == self._masks_key:
             return
@@ -140,10 +146,10 @@ class OverlappedStep:
         for bucket in buckets:
             inside = {id(p) for p in bucket.params}
             entries = []
-            for span in spans:
+            for index, span in enumerate(spans):
                 mask = tuple(id(p) in inside for p in span.params)
-                if any(mask):
-                    entries.append((span, mask))
+                if span.flat is self.flat and any(mask):
+                    entries.append((index, mask))
             self._masks.append(entries)
         self._masks_key = key
 
@@ -154,8 +160,9 @@ class OverlappedStep:
         if not self._ahead:
             for flat in optimizer.flat_params:
                 flat.check_storage()  # what optimizer.step() checks first (a replaced storage is taken back)
-        for span, mask in self._masks[index]:
-            optimizer.step_ahead(span, mask)
+        spans = optimizer.spans
+        for at, mask in self._masks[index]:
+            optimizer.step_ahead(spans[at], mask)
         self._ahead = True
         self.stepped_buckets += 1
 

@@ -22,6 +22,7 @@ import collections
 import copy
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -74,7 +75,8 @@ class SpanStepper:
     Args:
         flat: the :class:`~tfuse.flat.FlatParams` holding the buffer.
         group: the buffer (one of ``flat.groups``).
-        rule: the update family and its rows (a fused optimizer, see :class:`UpdateRule`).
+        rule: the update family and its rows (a fused optimizer, see :class:`UpdateRule`); held weakly,
+            so the caller keeps it alive (an optimizer holds its own spans).
         span: the element range to update (None: the whole buffer).
         master_weights: keep float32 masters and state (float16/bfloat16 buffers only).
         capturable: keep step counts on the device; a step reads nothing on the host.
@@ -115,7 +117,9 @@ class SpanStepper:
         capturable: bool = False,
     ) -> None:
         self.flat = flat
-        self.rule = rule
+        # Held weakly: the rule is usually the optimizer that holds this span (a cycle would keep a deleted
+        # optimizer's state alive until the garbage collector runs).
+        self.rule = weakref.proxy(rule)
         self.device, self.dtype = group.device, group.dtype
         self.master_weights = master_weights and group.dtype in LOW_PRECISION
         self.capturable = capturable
@@ -198,7 +202,7 @@ class SpanStepper:
         started = [m for m, first in zip(plan.members, fresh) if first]
         if started:
             self.start(started, groups)
-        backend = select_backend(self.device, owner or type(self.rule).__name__)
+        backend = select_backend(self.device, owner or self.rule.__class__.__name__)
         if self.capturable:
             self._step_on_device(plan, fresh, groups, grad_scale, found_inf, backend)
         else:
