@@ -122,7 +122,8 @@ def trajectory(rank: int, world: int, family: str, unused: bool = False) -> dict
                                                                      reference.parameters()))
     return {**_same(plain, overlapped), "stepped_in_backward": stepped_in_backward, "buckets": buckets,
             "total_buckets": len(overlapped[0].buckets), "reference_gap": reference_gap,
-            "mode": overlapped[0]._reducer.overlap.mode}
+            "mode": overlapped[0]._reducer.overlap.mode,
+            "communication": [overlapped[0].communication, plain[0].communication]}
 
 
 def accumulation(rank: int, world: int) -> dict:
@@ -136,6 +137,7 @@ def accumulation(rank: int, world: int) -> dict:
             for net, optimizer, schedule in (plain, overlapped):
                 before = [p.detach().clone() for p in net.parameters()]
                 with net.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                    local = net.communication
                     loss_of(net, _rows(x, rank), _rows(y, rank), step, False).backward()
                 untouched &= all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
                 x2, y2 = batch(step + 50, world)
@@ -144,7 +146,7 @@ def accumulation(rank: int, world: int) -> dict:
                 optimizer.step()
                 schedule.step()
                 optimizer.zero_grad()
-        results[how] = {**_same(plain, overlapped), "untouched": untouched}
+        results[how] = {**_same(plain, overlapped), "untouched": untouched, "local": local}
     return results
 
 
@@ -165,7 +167,7 @@ def grad_scaler(rank: int, world: int) -> dict:
             schedule.step()
             optimizer.zero_grad()
     return {**_same(plain, overlapped), "mode": overlapped[0]._reducer.overlap.mode,
-            "scales": [s.get_scale() for s in scalers]}
+            "scales": [s.get_scale() for s in scalers], "communication": overlapped[0].communication}
 
 
 def clipping(rank: int, world: int) -> dict:
@@ -259,6 +261,7 @@ def sharded(rank: int, world: int) -> dict:
         )
         params = all(torch.equal(a, b) for a, b in zip(plain.parameters(), overlapped.parameters()))
         results[family] = {"params": params, "state": state, "stepped_in_backward": stepped_in_backward,
+                           "communication": overlapped.communication,
                            "values": [p.detach().clone() for p in overlapped.parameters()]}
     return results
 

@@ -41,7 +41,7 @@ def world3() -> list[dict]:
 def test_the_overlapped_step_equals_the_plain_step_bit_for_bit(world2, name):
     for result in scenario(world2, name):
         assert result["params"] and result["state"]
-        assert result["mode"] == "on"
+        assert result["mode"] == "on" and result["communication"] == ["overlapped", "all_reduce"]
         # The first iteration is stepped plainly (it decides); every later backward stepped every bucket.
         assert result["stepped_in_backward"] == [False] + [True] * 3
         assert result["buckets"][1:] == [result["total_buckets"]] * 3 and result["total_buckets"] >= 3
@@ -57,12 +57,14 @@ def test_accumulation_steps_only_on_the_synchronizing_pass(world2):
     for result in scenario(world2, "accumulation"):
         for how in ("no_sync", "merge"):
             assert result[how]["params"] and result[how]["state"] and result[how]["untouched"], how
+        assert result["no_sync"]["local"] == "local" and result["merge"]["local"] == "overlapped"
 
 
 def test_a_grad_scaler_turns_the_overlap_off_and_skips_alike(world2):
     results = scenario(world2, "grad_scaler")
     for result in results:
         assert result["mode"] == "off" and result["params"] and result["state"]
+        assert result["communication"] == "all_reduce"
         assert result["scales"][0] == result["scales"][1] < 2.0**10 * 2**3  # the skipped step halved the scale
     assert results[0]["scales"] == results[1]["scales"]
 
@@ -86,6 +88,7 @@ def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):
     for result in results:
         for family in ("adam", "momentum"):
             assert result[family]["params"] and result[family]["state"], family
+            assert result[family]["communication"] == "sharded", family
             assert result[family]["stepped_in_backward"] == [False] + [True] * 3, family
     for family in ("adam", "momentum"):  # the gathers brought every rank the same parameters
         for a, b in zip(results[0][family]["values"], results[1][family]["values"]):

@@ -207,8 +207,11 @@ def _check_module(module: nn.Module, name: str, warmup: int) -> None:
                 "counted on the host, and a graph would replay the captured pass's choice at every step. Use 1, and "
                 "run the micro-batches inside step_fn, all but the last under model.no_sync()"
             )
-        if module._reducer.no_sync_depth or module._reducer.sharded_by is not None:
-            raise ValueError(f"{what} is in no_sync(), driven by LocalSGD or sharded: host-driven phases, not captured")
+        if module.communication != "all_reduce":
+            raise ValueError(
+                f"{what} is in no_sync(), driven by LocalSGD, sharded or overlapping its optimizer's step "
+                f"(communication {module.communication!r}): host-driven phases, not captured"
+            )
         # Even with one rank: its reducer issues an all-reduce per bucket in every backward.
         _check_backend(f"FusedDataParallel {name} all-reduces gradients (one rank too)", module.process_group, True)
     elif isinstance(module, nn.parallel.DistributedDataParallel):

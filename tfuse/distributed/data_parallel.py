@@ -276,6 +276,18 @@ class FusedDataParallel(torch.nn.Module):
         return self._reducer.calls_per_step if self._reducer.reduces_to_owners else 0
 
     @property
+    def communication(self) -> str:
+        """What the next backward does with the gradients: ``"all_reduce"``, ``"local"`` (inside ``no_sync()``,
+        or LocalSGD's local phase), ``"sharded"`` (reduced to a ShardedOptimizer's owners) or ``"overlapped"``
+        (all-reduced, the optimizer stepped per bucket: :meth:`overlap_step`)."""
+        reducer = self._reducer
+        if reducer.no_sync_depth:
+            return "local"
+        if reducer.sharded_by is not None:
+            return "sharded"
+        return "all_reduce" if reducer.overlap is None or reducer.overlap.mode == "off" else "overlapped"
+
+    @property
     def gradients_synchronized(self) -> bool:
         """Whether the last backward pass averaged the gradients over the ranks."""
         return self._reducer.synchronized
