@@ -184,6 +184,15 @@ def test_fused_data_parallel_inside_no_sync_is_refused(gloo_world):
         capture._check_setup((), (model,), 3)
 
 
+def test_fused_data_parallel_overlapping_its_optimizer_step_is_refused(gloo_world):
+    model = _fdp()
+    model.overlap_step(tfuse.optim.FusedMomentum(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"overlaps its optimizer's step \(communication 'overlapped'\)"):
+        capture._check_setup((), (model,), 3)
+    model.overlap_step(None)
+    assert model.communication == "all_reduce"
+
+
 def test_a_nested_fused_data_parallel_is_named_by_its_path(gloo_world, monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     outer = nn.ModuleDict({"body": _fdp()})

@@ -209,7 +209,7 @@ def _check_module(module: nn.Module, name: str, warmup: int) -> None:
             )
         if module.communication != "all_reduce":
             raise ValueError(
-                f"{what} is in no_sync(), driven by LocalSGD, sharded or overlapping its optimizer's step "
+                f"{what} is in no_sync(), driven by LocalSGD or sharded, or it overlaps its optimizer's step "
                 f"(communication {module.communication!r}): host-driven phases, not captured"
             )
         # Even with one rank: its reducer issues an all-reduce per bucket in every backward.
