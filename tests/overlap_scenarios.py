@@ -266,6 +266,33 @@ def sharded(rank: int, world: int) -> dict:
     return results
 
 
+def sharded_scaler(rank: int, world: int) -> dict:
+    """ShardedOptimizer under a GradScaler with overlap_step: the first step finds the scaler and the overlap
+    turns off; an inf on the last rank skips the step everywhere, as the plain sharded run does."""
+    fused, _, options = FAMILIES["adam"]
+    runs = []
+    for overlap in (False, True):
+        net = FusedDataParallel(model(), max_params_per_bucket=2)
+        optimizer = ShardedOptimizer(net.parameters(), fused, **options)
+        if overlap:
+            net.overlap_step(optimizer)
+        runs.append((net, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**10)))
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        if step == 2 and rank == world - 1:
+            x = x.clone()
+            x[rank * BATCH] = float("inf")
+        for net, optimizer, scaler in runs:
+            scaler.scale(loss_of(net, _rows(x, rank), _rows(y, rank), step, False)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    (plain, _, plain_scaler), (overlapped, _, overlapped_scaler) = runs
+    return {"params": all(torch.equal(a, b) for a, b in zip(plain.parameters(), overlapped.parameters())),
+            "mode": overlapped._reducer.overlap.mode,
+            "scales": [plain_scaler.get_scale(), overlapped_scaler.get_scale()]}
+
+
 SUITE = {
     **{f"trajectory_{name}": (lambda rank, world, name=name: trajectory(rank, world, name)) for name in FAMILIES},
     "trajectory_unused": lambda rank, world: trajectory(rank, world, "adamw", unused=True),
@@ -274,6 +301,7 @@ SUITE = {
     "clipping": clipping,
     "misuse": misuse,
     "sharded": sharded,
+    "sharded_scaler": sharded_scaler,
 }
 
 

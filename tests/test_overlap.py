@@ -29,7 +29,8 @@ def _suite(world: int, names: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, [*TRAJECTORIES, "accumulation", "grad_scaler", "clipping", "misuse", "sharded"])
+    return _suite(2, [*TRAJECTORIES, "accumulation", "grad_scaler", "clipping", "misuse", "sharded",
+                      "sharded_scaler"])
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_a_grad_scaler_turns_the_overlap_off_and_skips_alike(world2):
     for result in results:
         assert result["mode"] == "off" and result["params"] and result["state"]
         assert result["communication"] == "all_reduce"
-        assert result["scales"][0] == result["scales"][1] < 2.0**10 * 2**3  # the skipped step halved the scale
+        assert result["scales"][0] == result["scales"][1] == 2.0**9  # the one skipped step halved the scale
     assert results[0]["scales"] == results[1]["scales"]
 
 
@@ -93,6 +94,12 @@ def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):
     for family in ("adam", "momentum"):  # the gathers brought every rank the same parameters
         for a, b in zip(results[0][family]["values"], results[1][family]["values"]):
             assert torch.equal(a, b)
+
+
+def test_sharded_under_a_grad_scaler_turns_the_overlap_off_and_skips_alike(world2):
+    for result in scenario(world2, "sharded_scaler"):
+        assert result["mode"] == "off" and result["params"]
+        assert result["scales"][0] == result["scales"][1] == 2.0**9  # the one skipped step halved both
 
 
 def test_bad_arguments_are_refused(monkeypatch):
