@@ -194,6 +194,19 @@ class _GradPath:
             filled: the slot holds a gradient written through the buffer (a
                 collective filled in one this process never computed):
                 ``param.grad`` becomes the view as it is.
+
+        Example:
+            >>> import torch
+            >>> from tfuse.flat import FlatParams
+            >>> layer = torch.nn.Linear(2, 1)
+            >>> flat = FlatParams(layer)
+            >>> layer.weight.grad = torch.ones(1, 2)  # set by hand, outside the buffer
+            >>> flat.bring_home(layer.weight).name, flat.bring_home(layer.bias).name
+            ('IN_BUFFER', 'NONE')
+            >>> layer.weight.grad.data_ptr() == flat.grad_view(layer.weight).data_ptr()
+            True
+            >>> flat.bring_home(layer.bias, final=True).name, layer.bias.grad  # its slot made exactly zero
+            ('ZEROS', None)
         """
         home = self._homes.get(id(param))
         if home is None:
