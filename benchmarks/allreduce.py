@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,17 +40,15 @@ from .harness import (
     NOISY_REL_IQR,
     Column,
     Context,
-    Flag,
     Report,
     Timing,
     check_stall,
     check_timing,
     copy_reference,
     difference,
-    round_order,
     worse_flag,
 )
-from .ranks import launch, rank_group
+from .ranks import launch, rank_group, time_steps, step_flag_from
 
 NAME = "allreduce"
 WORLD_SIZE = 2
@@ -255,26 +251,7 @@ def _time_configs(configs: list[_Config], device: torch.device, rounds: int, ite
     for config in configs:  # warm-up (DDP rebuilds its buckets after its first iteration)
         for _ in range(2):
             config.step()
-    times: list[list[float]] = [[] for _ in configs]
-    start = time.perf_counter()
-    for round_index in range(rounds):
-        if dist.get_rank() == 0:
-            print(f"[allreduce round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
-                  f"{len(configs)} configurations x {iterations} steps", file=sys.stderr, flush=True)
-        for index in round_order(round_index, len(configs)):
-            config = configs[index]
-            for _ in range(iterations):
-                dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                begin = time.perf_counter()
-                config.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[index].append((time.perf_counter() - begin) * 1e3)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.cpu().tolist()
+    return time_steps([c.step for c in configs], device, rounds, iterations, "allreduce")
 
 
 def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: str, quick: bool) -> None:
@@ -337,23 +314,15 @@ def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> N
         base, reference = baseline[row["panel"]], ddp[row["panel"]]
         # The difference's own check weighs both rows' spreads; only an implausible step (a stall) carries over.
         row["sync_ms"], flag = difference(timings[row["label"]], timings[base["label"]], "sync")
-        for other in (_from(row, row), _from(base, row)):
+        for other in (step_flag_from(row, row), step_flag_from(base, row)):
             if other is not None and other.kind == "implausible":
                 flag = worse_flag(flag, other)
         if flag is not None:
             row["flags"]["sync_ms"] = flag
         row["vs_ddp"] = row["ms"] / reference["ms"]
-        flag = worse_flag(row["flags"].get("ms"), _from(reference, row))
+        flag = worse_flag(row["flags"].get("ms"), step_flag_from(reference, row))
         if flag is not None:
             row["flags"]["vs_ddp"] = flag
-
-
-def _from(other: dict[str, Any], row: dict[str, Any]) -> Flag | None:
-    """``other``'s step flag as seen from ``row`` (named after ``other`` unless it is the same row or a stall)."""
-    flag = other["flags"].get("ms")
-    if flag is None or other is row or flag.reason.startswith("stalled"):
-        return flag
-    return Flag(flag.kind, f"'{other['label']}' {flag.reason}")
 
 
 def run(ctx: Context) -> Report:

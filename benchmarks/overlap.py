@@ -56,14 +56,13 @@ from .harness import (
     NOISY_REL_IQR,
     Column,
     Context,
-    Flag,
     Report,
     Timing,
     check_stall,
     check_timing,
     worse_flag,
 )
-from .ranks import launch, rank_group, time_steps
+from .ranks import launch, rank_group, time_steps, step_flag_from
 
 NAME = "overlap"
 WORLD_SIZE = 2
@@ -269,7 +268,7 @@ def _rank_main(rank: int, world: int, backend: str, init_file: str, out_file: st
                                      "run tfuse's PyTorch path, not the interpreter")
             if backend == "gloo":
                 setups.append(_Setup(CANARY, _canary(device).step))
-            samples = time_steps([s.step for s in setups], device, rounds, iterations, f"overlap {workload}")
+            samples = time_steps([s.step for s in setups], device, rounds, iterations, f"overlap {workload},")
             workloads[workload] = dict(info, bucket_mb=bucket_mb, optimizer=models["plain_opt"].describe())
             rows += [dict(workload=workload, label=s.label, samples=times, calls=s.calls(), ahead=s.ahead(),
                           launches=launches.get(s.label)) for s, times in zip(setups, samples)]
@@ -305,7 +304,7 @@ def finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> li
         ddp = next(row for row in block if row["label"] == DDP)
         for row in block:
             row["vs_ddp"] = row["ms"] / ddp["ms"]
-            flag = worse_flag(row["flags"].get("ms"), _from(ddp, row))
+            flag = worse_flag(row["flags"].get("ms"), step_flag_from(ddp, row))
             if flag is not None:
                 row["flags"]["vs_ddp"] = flag
             ahead = row.get("ahead")
@@ -315,14 +314,6 @@ def finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> li
                 row["stepped_ahead"] = f"{ahead} of {row['calls']}" if ahead is not None else None
         finished += block
     return finished
-
-
-def _from(other: dict[str, Any], row: dict[str, Any]) -> Flag | None:
-    """``other``'s step flag as seen from ``row`` (named after ``other`` unless it is the same row or a stall)."""
-    flag = other["flags"].get("ms")
-    if flag is None or other is row or flag.reason.startswith("stalled"):
-        return flag
-    return Flag(flag.kind, f"'{other['label']}' {flag.reason}")
 
 
 def run(ctx: Context) -> Report:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .harness import round_order
+from .harness import Flag, round_order
 
 
 @contextlib.contextmanager
@@ -106,13 +106,13 @@ def time_steps(steps: Sequence[Callable[[], Any]], device: torch.device, rounds:
     different one each round (:func:`~benchmarks.harness.round_order`), so drift
     on a shared machine hits them all alike; a barrier precedes every timed call
     (and on a GPU a synchronize, before and after). No warm-up: the caller warms
-    up. Rank 0 prints ``[<progress>, round i/n, t s]`` to stderr before each round.
+    up. Rank 0 prints ``[<progress> round i/n, t s]`` to stderr before each round.
     """
     times: list[list[float]] = [[] for _ in steps]
     start = time.perf_counter()
     for round_index in range(rounds):
         if dist.get_rank() == 0:
-            print(f"[{progress}, round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
+            print(f"[{progress} round {round_index + 1}/{rounds}, {time.perf_counter() - start:.0f} s] "
                   f"{len(steps)} configurations x {iterations} steps", file=sys.stderr, flush=True)
         for index in round_order(round_index, len(steps)):
             for _ in range(iterations):
@@ -127,3 +127,12 @@ def time_steps(steps: Sequence[Callable[[], Any]], device: torch.device, rounds:
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.cpu().tolist()
+
+
+def step_flag_from(other: dict[str, Any], row: dict[str, Any]) -> Flag | None:
+    """``other``'s step flag as seen from ``row`` (named after ``other`` unless it is the same row or a stall):
+    what a ratio of ``row`` to ``other`` inherits."""
+    flag = other["flags"].get("ms")
+    if flag is None or other is row or flag.reason.startswith("stalled"):
+        return flag
+    return Flag(flag.kind, f"'{other['label']}' {flag.reason}")

@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,15 +41,13 @@ from .harness import (
     NOISY_REL_IQR,
     Column,
     Context,
-    Flag,
     Report,
     Timing,
     check_stall,
     check_timing,
-    round_order,
     worse_flag,
 )
-from .ranks import launch, rank_group
+from .ranks import launch, rank_group, time_steps, step_flag_from
 
 NAME = "sharded"
 WORLD_SIZE = 2
@@ -137,26 +133,7 @@ def _time_configs(configs: list[_Config], device: torch.device, rounds: int, ite
     """Per config, the slowest rank's time of every timed step (ms), rounds cycling from a different start each."""
     for config in configs:  # warm-up (DDP rebuilds its buckets after its first iteration)
         config.step()
-    times: list[list[float]] = [[] for _ in configs]
-    start = time.perf_counter()
-    for round_index in range(rounds):
-        if dist.get_rank() == 0:
-            elapsed = time.perf_counter() - start
-            print(f"[sharded {configs[0].model}, round {round_index + 1}/{rounds}, {elapsed:.0f} s] "
-                  f"{len(configs)} configurations x {iterations} steps", file=sys.stderr, flush=True)
-        for index in round_order(round_index, len(configs)):
-            for _ in range(iterations):
-                dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                begin = time.perf_counter()
-                configs[index].step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[index].append((time.perf_counter() - begin) * 1e3)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.cpu().tolist()
+    return time_steps([c.step for c in configs], device, rounds, iterations, f"sharded {configs[0].model},")
 
 
 def _max_over_ranks(values: list[int], device: torch.device) -> list[int]:
@@ -216,19 +193,11 @@ def _finish(rows: list[dict[str, Any]], stall_reference_gbps: float | None) -> l
             row["state_vs_unsharded"] = row["state_bytes"] / unsharded["state_bytes"]
             for key, reference in (("vs_unsharded", unsharded), ("vs_zero", by_label[ZERO])):
                 row[key] = row["ms"] / reference["ms"]
-                flag = worse_flag(row["flags"].get("ms"), _from(reference, row))
+                flag = worse_flag(row["flags"].get("ms"), step_flag_from(reference, row))
                 if flag is not None:
                     row["flags"][key] = flag
         finished += block
     return finished
-
-
-def _from(other: dict[str, Any], row: dict[str, Any]) -> Flag | None:
-    """``other``'s step flag as seen from ``row`` (named after ``other`` unless it is the same row or a stall)."""
-    flag = other["flags"].get("ms")
-    if flag is None or other is row or flag.reason.startswith("stalled"):
-        return flag
-    return Flag(flag.kind, f"'{other['label']}' {flag.reason}")
 
 
 def run(ctx: Context) -> Report:
