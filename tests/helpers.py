@@ -134,6 +134,43 @@ def assert_matches_torch_sum(result: torch.Tensor, inputs: Sequence[torch.Tensor
         torch.testing.assert_close(result, expected)
 
 
+class _HardswishFloat64(torch.autograd.Function):
+    """torch's hardswish with the CPU kernel's formula on every device (x * clamp(x + 3, 0, 6) / 6).
+
+    torch's CUDA kernel multiplies by a float32 1/6 (4e-7 off in float64, seen on an H100). The
+    backward is torch's own, exact in float64 on every device (its constants 3 and 0.5 are)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return z * (z + 3).clamp(0, 6) / 6
+
+    @staticmethod
+    def backward(ctx, dy):
+        (z,) = ctx.saved_tensors
+        return torch.ops.aten.hardswish_backward(dy, z)
+
+
+class _HardsigmoidFloat64(torch.autograd.Function):
+    """torch's hardsigmoid divided by 6 on every device (its CUDA forward and backward multiply by a
+    float32 1/6); the backward keeps torch's branches (dy / 6 strictly inside (-3, 3), else 0)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return (z + 3).clamp(0, 6) / 6
+
+    @staticmethod
+    def backward(ctx, dy):
+        (z,) = ctx.saved_tensors
+        return torch.where((z > -3) & (z < 3), dy / 6, torch.zeros((), dtype=dy.dtype, device=dy.device))
+
+
+def _exact_in_float64(function, torch_function):
+    """float64 through ``function`` (exact on every device), other dtypes through torch's own."""
+    return lambda z: function.apply(z) if z.dtype == torch.float64 else torch_function(z)
+
+
 def torch_activation(act: str, negative_slope: float = 0.2):
     """The torch.nn.functional reference of one of tfuse's activations."""
     return {
@@ -146,8 +183,8 @@ def torch_activation(act: str, negative_slope: float = 0.2):
         "tanh": torch.tanh,
         "relu6": F.relu6,
         "hardtanh": F.hardtanh,
-        "hardswish": F.hardswish,
-        "hardsigmoid": F.hardsigmoid,
+        "hardswish": _exact_in_float64(_HardswishFloat64, F.hardswish),
+        "hardsigmoid": _exact_in_float64(_HardsigmoidFloat64, F.hardsigmoid),
         "mish": F.mish,
         "elu": F.elu,
         "identity": lambda z: z,

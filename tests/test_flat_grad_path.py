@@ -118,6 +118,46 @@ def test_gradients_match_torch_and_unreached_parameters_keep_none(device):
     assert not flat._groups[0].grad.any()
 
 
+def test_autograd_makes_each_forwards_accumulate_grad_node_as_in_torch(device):
+    """Coalescing keeps no AccumulateGrad node alive. autograd makes one per forward, on that forward's stream;
+    a node kept from an earlier forward stays on the stream it was made on, which breaks a CUDA graph captured
+    on another stream (seen on an H100). A hook a user put on a dropped node must die with it, as in torch."""
+    from torch.autograd.graph import get_gradient_edge
+
+    model, reference = pair(device)
+    flat = FlatParams(model.parameters())
+    calls = []
+    for module in (model, reference):
+        node = get_gradient_edge(module.trunk.weight).node
+        node.register_prehook(lambda grad_outputs, module=module: calls.append(module))
+        del node  # the last reference: the node and its hook go
+    x = torch.randn(4, 5, device=device, dtype=torch.float64)
+    model(x, use_sometimes=True).backward()
+    reference(x, use_sometimes=True).backward()
+    assert calls == []
+    same_grads(model, reference)
+    assert all(in_slot(flat, p) for p in model.parameters() if p.grad is not None)
+
+
+def test_backward_with_inputs_accumulates_those_and_autograd_grad_announces_nothing(device):
+    """The gradient hook acts only where autograd accumulates: ``backward(inputs=...)`` into the named leaves,
+    ``torch.autograd.grad`` into none (and a data-parallel receiver hears of no parameter)."""
+    model, reference = pair(device)
+    flat = FlatParams(model.parameters())
+    heard = []
+    flat.set_grad_receiver(heard.append)
+    x = torch.randn(4, 5, device=device, dtype=torch.float64)
+    torch.autograd.grad(model(x, use_sometimes=True), [model.trunk.weight, model.head.bias])
+    assert heard == [] and all(p.grad is None for p in model.parameters())
+    named = [model.trunk.weight, model.head.bias]
+    model(x, use_sometimes=True).backward(inputs=named)
+    reference(x, use_sometimes=True).backward(inputs=[reference.trunk.weight, reference.head.bias])
+    same_grads(model, reference)
+    assert {id(p) for p in heard} == {id(p) for p in named} and len(heard) == 2
+    assert all(in_slot(flat, p) for p in named)
+    flat.set_grad_receiver(None)
+
+
 OPTIMIZERS = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05)),

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from tfuse.flat import _copies
 from tfuse.flat import _storage_guard as guard
@@ -117,8 +116,8 @@ class FlatParams(_GradPath):
         self._registered = unique
         self._names = names
         self._groups: list[FlatGroup] = []
-        self._hooks: list = []  # pre-hooks on the parameters' AccumulateGrad nodes (they attach the views)
-        self._accumulators: list = []  # those nodes, kept alive so that autograd uses them (and their hooks)
+        self._hooks: list = []  # the parameters' gradient hooks (they attach the views before accumulation)
+        self._accumulating: tuple[int, bool] = (-1, False)  # (autograd graph task, whether it accumulates)
         self._grad_views: dict[torch.nn.Parameter, torch.Tensor] = {}
         # id(param) -> its gradient slot holds exact zeros and was not handed out since (see _attach)
         self._clean: dict[int, bool] = {}
@@ -148,7 +147,7 @@ class FlatParams(_GradPath):
         """
         for handle in self._hooks:
             handle.remove()
-        self._hooks, self._accumulators = [], []
+        self._hooks = []
         self._grad_views = {}
         self._clean = {}
         self._homes = {}
@@ -163,11 +162,10 @@ class FlatParams(_GradPath):
             self._split_buckets(index, group)
         self._index_slots()
         for param, view in self._grad_views.items():
-            # Kept alive by us, the node autograd accumulates this parameter's gradients with stays the same
-            # across backward passes (otherwise a new one per graph), and so does its pre-hook.
-            accumulator = get_gradient_edge(param).node
-            self._accumulators.append(accumulator)
-            self._hooks.append(accumulator.register_prehook(self._attach_hook(param, view, self._slots[param])))
+            # A hook on the parameter, not on its AccumulateGrad node: autograd makes a new node per forward, on
+            # that forward's stream, and reads the parameter's hooks from it. Holding one node instead pins it
+            # to the stream it was made on (the default stream), which breaks a CUDA graph captured on another.
+            self._hooks.append(param.register_hook(self._attach_hook(param, view, self._slots[param])))
         self.layout_version += 1
 
     def _coalesce(self, device: torch.device, dtype: torch.dtype, trainable: list, frozen: list) -> FlatGroup:
@@ -281,7 +279,7 @@ class FlatParams(_GradPath):
         RuntimeError naming the parameters, what changed and what to do
         instead, and changes nothing. (A parameter given other strides over
         the same memory, ``param.data = param.data.t()``, keeps its pointer:
-        the backward pre-hook that would attach its slot and any copy of a
+        the backward hook that would attach its slot and any copy of a
         gradient into its slot catch that; once they refused it, this checks
         every parameter.)
         :meth:`sync_grads` (every fused optimizer step) and FusedDataParallel's

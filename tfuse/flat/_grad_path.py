@@ -1,9 +1,9 @@
 """The gradient path of FlatParams: how gradients come to live in the flat gradient buffers.
 
-Each trainable parameter's AccumulateGrad node carries a pre-hook that makes
-the parameter's zeroed view of the gradient buffer its ``.grad`` just before
-autograd accumulates into it, and announces the parameter to a receiver (a
-data-parallel reducer); ``zero_grad``, ``sync_grads`` and the methods that
+Each trainable parameter carries a gradient hook (which autograd's
+AccumulateGrad node runs first) that makes the parameter's zeroed view of the
+gradient buffer its ``.grad`` just before autograd accumulates into it, and
+announces the parameter to a receiver (a data-parallel reducer); ``zero_grad``, ``sync_grads`` and the methods that
 hand out or adopt gradient views keep the buffers and ``param.grad`` in
 step. docs/architecture.md ("How a gradient reaches its bucket") says how
 and why.
@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.hooks import unserializable_hook
 
 from tfuse._eager import never_traced
 from tfuse.flat import _storage_guard as guard
@@ -31,6 +33,30 @@ from tfuse.flat._checks import _DATA_PTR, _REQUIRES_GRAD, _same_memory
 from tfuse.flat._records import FlatGroup, _Slot
 
 logger = logging.getLogger(__package__)  # "tfuse.flat": the package logs under one name
+
+
+_graph_task_id = torch._C._current_graph_task_id
+_will_engine_execute = torch._C._will_engine_execute_node
+
+
+def _task_accumulates(owner: Any, param: torch.nn.Parameter) -> bool:
+    """Whether the backward pass running now accumulates into leaves' ``.grad`` (``backward()``, with or without
+    ``inputs=``) or only returns gradients (``torch.autograd.grad``).
+
+    The answer is the same for every leaf whose hook runs in one pass, so it is
+    asked once per pass (autograd's graph-task id) and kept on ``owner``: a
+    C call per parameter, not a node lookup.
+    """
+    task = _graph_task_id()
+    cached = owner._accumulating
+    if cached[0] == task:
+        return cached[1]
+    try:
+        answer = _will_engine_execute(get_gradient_edge(param).node)
+    except RuntimeError:  # torch refuses the question for a leaf only inside torch.autograd.grad
+        answer = False
+    owner._accumulating = (task, answer)
+    return answer
 
 
 class GradHome(enum.Enum):
@@ -63,22 +89,25 @@ class _GradPath:
     _on_meta: bool
     # (and its methods _lay_out and check_storage, which zero_grad and sync_grads call)
 
-    def _attach_hook(self, param: torch.nn.Parameter, view: torch.Tensor, slot: _Slot) -> Callable[[tuple], None]:
+    def _attach_hook(
+        self, param: torch.nn.Parameter, view: torch.Tensor, slot: _Slot
+    ) -> Callable[[torch.Tensor], None]:
         flat = weakref.ref(self)  # the hook must not keep the FlatParams alive
         key, ptr, strides = id(param), slot.ptr, slot.strides
         grad_enabled = torch.is_grad_enabled
 
+        @unserializable_hook  # torch.save of the parameter: the hook is not saved, and says so by this mark
         @never_traced  # bookkeeping on the host (backward called inside compiled code), no cost per call
-        def attach_view(grad_outputs: tuple) -> None:
-            # Runs in backward just before autograd accumulates the parameter's gradient (a pre-hook of its
-            # AccumulateGrad node: torch.autograd.grad, which accumulates nothing, never runs it).
+        def attach_view(grad: torch.Tensor) -> None:
+            # Runs in backward just before autograd accumulates the parameter's gradient (a gradient hook of the
+            # parameter, which its AccumulateGrad node runs first), and also when torch.autograd.grad takes the
+            # gradient without accumulating it: then there is nothing to attach nor to announce.
             owner = flat()
-            if owner is None:
+            if owner is None or not _task_accumulates(owner, param):
                 return
             # With grad mode on (create_graph=True) autograd accumulates out of place: nothing to attach to.
             if param.grad is None and not grad_enabled():
                 clean = owner._clean
-                grad = grad_outputs[0]
                 # The common case inline: a zeroed slot, the parameter where it was coalesced, a dense gradient.
                 if clean[key] and param.data_ptr() == ptr and param.stride() == strides and not grad.is_sparse:
                     clean[key] = False
@@ -135,9 +164,10 @@ class _GradPath:
         reducer: it learns when a bucket is complete).
 
         Backward calls it once per trainable parameter that gets a gradient,
-        from the pre-hook of the parameter's AccumulateGrad node that
-        attaches the flat buffer's view (no hook of its own): just before
-        autograd adds the gradient into ``param.grad``. Autograd runs one
+        from the parameter's gradient hook that attaches the flat buffer's
+        view (no hook of its own): just before autograd adds the gradient
+        into ``param.grad`` (never in ``torch.autograd.grad``, which adds
+        nothing). Autograd runs one
         device's nodes one at a time, so by the time ``receiver(q)`` is
         called, the accumulation of every parameter announced before ``q``
         on the same device has finished, and every one has finished when the
