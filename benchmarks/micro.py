@@ -246,12 +246,32 @@ def _model_shapes(run: Run) -> list[tuple[str, list[tuple[int, ...]]]]:
     return models
 
 
-def fam_optim(run: Run) -> None:
-    from tfuse.optim import FusedAdam, FusedMomentum
+def _lion_reference_step(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> None:
+    """Lion (Chen et al. 2023, Algorithm 2) per tensor, betas (0.9, 0.99): torch has none to compare with."""
+    with torch.no_grad():
+        for p in params:
+            m = p.__dict__.setdefault("_lion_m", torch.zeros_like(p))
+            direction = m * 0.9 + p.grad * 0.1
+            p.mul_(1 - lr * weight_decay).add_(torch.sign(direction), alpha=-lr)
+            m.mul_(0.99).add_(p.grad, alpha=0.01)
 
-    cases = (("adam", torch.float32, False), ("momentum", torch.float32, False), ("adam", torch.bfloat16, True))
+
+def fam_optim(run: Run) -> None:
+    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLion, FusedMomentum
+
+    # name -> (tfuse optimizer, torch.optim class and options or None, state tensors per parameter)
+    algorithms = {
+        "adam": (lambda ps, m: FusedAdam(ps, lr=1e-3, master_weights=m), (torch.optim.Adam, dict(lr=1e-3)), 2),
+        "momentum": (lambda ps, m: FusedMomentum(ps, lr=1e-3, master_weights=m),
+                     (torch.optim.SGD, dict(lr=1e-3, momentum=0.9)), 1),
+        "adagrad": (lambda ps, m: FusedAdagrad(ps, lr=1e-3, master_weights=m), (torch.optim.Adagrad, dict(lr=1e-3)), 1),
+        "lion": (lambda ps, m: FusedLion(ps, lr=1e-4, weight_decay=0.1, master_weights=m), None, 1),
+    }
+    cases = (("adam", torch.float32, False), ("momentum", torch.float32, False), ("adam", torch.bfloat16, True),
+             ("adagrad", torch.float32, False), ("lion", torch.float32, False))
     for model, shapes in _model_shapes(run):
         for algo, dtype, master in cases:
+            make, torch_class, states = algorithms[algo]
             params = [torch.nn.Parameter((torch.randn(s, device=run.device) * 0.02).to(dtype)) for s in shapes]
             for p in params:
                 p.grad = (torch.randn(p.shape, device=run.device) * 1e-3).to(dtype)
@@ -259,30 +279,33 @@ def fam_optim(run: Run) -> None:
             reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
             for r, p in zip(reference, params):
                 r.grad = p.grad.detach().float().clone()
-            opt = FusedAdam(params, lr=1e-3, master_weights=master) if algo == "adam" else FusedMomentum(params, lr=1e-3)
-            ref_opt = (torch.optim.Adam(reference, lr=1e-3, foreach=False) if algo == "adam"
-                       else torch.optim.SGD(reference, lr=1e-3, momentum=0.9, foreach=False))
+            opt = make(params, master)
+            ref_opt = None if torch_class is None else torch_class[0](reference, **torch_class[1], foreach=False)
             for _ in range(3):
                 opt.step()
-                ref_opt.step()
+                if ref_opt is None:
+                    _lion_reference_step(reference, 1e-4, 0.1)
+                else:
+                    ref_opt.step()
             err = rel_err(torch.cat([p.detach().float().flatten() for p in params]),
                           torch.cat([r.detach().flatten() for r in reference]))
             ms = run.median_ms(opt.step)
-            fused_kw = dict(fused=True) if run.device.type == "cuda" else {}
-            torch_fused = (torch.optim.Adam(reference, lr=1e-3, **fused_kw) if algo == "adam"
-                           else torch.optim.SGD(reference, lr=1e-3, momentum=0.9, **fused_kw))
-            torch_fused.step()
-            torch_ms = run.median_ms(torch_fused.step)
+            torch_ms = None
+            if torch_class is not None:
+                fused_kw = dict(fused=True) if run.device.type == "cuda" else {}
+                torch_fused = torch_class[0](reference, **torch_class[1], **fused_kw)
+                torch_fused.step()
+                torch_ms = run.median_ms(torch_fused.step)
+                del torch_fused
             host_ms = _host_ms(run, opt.step, 20)
             kernels_us = _kernel_times(run, opt.step)  # device time alone, whatever the host costs
             # Minimum bytes: param and grad read, param written; each state tensor (float32) read and
             # written; float32 master weights read and written.
-            states = 2 if algo == "adam" else 1
             per_element = 3 * params[0].element_size() + 8 * states + (8 if master else 0)
             tag = _name(dtype) + (" +master" if master else "")
             run.record("optim", f"{model} {algo} {tag} ({numel / 1e6:.1f}M)", ms, per_element * numel, dtype=dtype,
                        rel_err=err, torch_fused_fp32_ms=torch_ms, host_ms=host_ms, kernels_us=kernels_us)
-            del params, reference, opt, ref_opt, torch_fused
+            del params, reference, opt, ref_opt
 
 
 def fam_clip(run: Run) -> None:

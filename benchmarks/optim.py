@@ -6,7 +6,9 @@ elements, lm_head tied to the embedding). Every parameter has a gradient.
 The minimum traffic of an update is what each element must read and write
 once: Adam float32 reads param, grad, exp_avg, exp_avg_sq and writes param,
 exp_avg, exp_avg_sq (28 bytes per parameter); SGD with momentum reads param,
-grad, momentum buffer and writes param and buffer (20 bytes).
+grad, momentum buffer and writes param and buffer (20 bytes); Adagrad (param,
+grad, sum) and Lion (param, grad, exp_avg) likewise 20 bytes. torch has no
+Lion: its row has the tfuse column only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import triton.testing
 
 import tfuse
-from tfuse.optim import FusedAdam, FusedMomentum
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedLion, FusedMomentum
 
 from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, count_aten_ops, finish_row, grid
 
@@ -58,15 +60,17 @@ def tiny_shapes() -> list[tuple[int, ...]]:
 MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes, "tiny": tiny_shapes,
 }
-BYTES_PER_PARAM = {"adam": 28, "momentum": 20}
+BYTES_PER_PARAM = {"adam": 28, "momentum": 20, "adagrad": 20, "lion": 20}
+ALGORITHMS = {"adam": "Adam", "momentum": "SGD momentum", "adagrad": "Adagrad", "lion": "Lion"}
 PROVIDERS = ("tfuse", "for-loop", "foreach", "fused")
+TORCH_LESS = {"lion"}  # no torch.optim implementation to time against
 
 
 def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
     models = ["tiny"] if ctx.quick else ["ResNet-50", "GPT-2 small"]
     return [
         triton.testing.Benchmark(
-            x_names=["model", "algorithm"], x_vals=[(m, a) for m in models for a in ("adam", "momentum")],
+            x_names=["model", "algorithm"], x_vals=[(m, a) for m in models for a in ALGORITHMS],
             line_arg="provider", line_vals=["tfuse", "for-loop", "foreach", "fused"],
             line_names=["tfuse", "torch for-loop", "torch foreach", "torch fused=True"],
             plot_name="optimizer-step", args={},
@@ -83,10 +87,15 @@ def _params(shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.n
 
 def _make(provider: str, algorithm: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if provider == "tfuse":
-        return FusedAdam(params, lr=1e-4) if algorithm == "adam" else FusedMomentum(params, lr=1e-4, momentum=0.9)
+        fused = {"adam": lambda: FusedAdam(params, lr=1e-4), "adagrad": lambda: FusedAdagrad(params, lr=1e-4),
+                 "lion": lambda: FusedLion(params, lr=1e-5, weight_decay=0.1),
+                 "momentum": lambda: FusedMomentum(params, lr=1e-4, momentum=0.9)}
+        return fused[algorithm]()
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[provider]
     if algorithm == "adam":
         return torch.optim.Adam(params, lr=1e-4, **flags)
+    if algorithm == "adagrad":
+        return torch.optim.Adagrad(params, lr=1e-4, **flags)
     return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **flags)
 
 
@@ -96,7 +105,7 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
     numel = sum(torch.Size(shape).numel() for shape in shapes)
     nbytes = BYTES_PER_PARAM[algorithm] * numel
     row: dict[str, Any] = {
-        "model": model, "algorithm": "Adam" if algorithm == "adam" else "SGD momentum", "tensors": len(shapes),
+        "model": model, "algorithm": ALGORITHMS[algorithm], "tensors": len(shapes),
         "numel": numel, "mbytes": nbytes / 1e6, "series": "optimizer step",
     }
     backend = "triton" if ctx.machine.on_gpu else "torch"
@@ -105,7 +114,7 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
     # buffers, so it gets its own; torch's three share one set (each keeps its own state), which saves memory.
     shared = _params(shapes, device)
     with tfuse.use_backend(backend):
-        for provider in PROVIDERS:
+        for provider in PROVIDERS[:1] if algorithm in TORCH_LESS else PROVIDERS:
             params = _params(shapes, device) if provider == "tfuse" else shared
             optimizer = _make(provider, algorithm, params)
             optimizer.step()  # state created, gradients re-homed into the flat buffers
@@ -145,12 +154,13 @@ def run(ctx: Context) -> Report:
     label = "tfuse" if on_gpu else "tfuse (PyTorch path)"
     notes = [
         copy_note(ctx),
-        "GB/s = minimum bytes / median step time: Adam float32 28 B/parameter, SGD momentum 20 B/parameter "
-        "(each element read and written once).",
+        "GB/s = minimum bytes / median step time: Adam float32 28 B/parameter, SGD momentum, Adagrad and Lion "
+        "20 B/parameter (each element read and written once).",
         "Synthetic float32 parameters with the shapes of the named model, every one with a gradient; "
-        "lr 1e-4, Adam betas (0.9, 0.999), SGD momentum 0.9.",
-        "tfuse: FusedAdam / FusedMomentum over the parameters coalesced into one flat buffer; torch columns: "
-        "torch.optim.Adam / SGD with foreach=False, foreach=True and fused=True.",
+        "lr 1e-4, Adam betas (0.9, 0.999), SGD momentum 0.9; Lion lr 1e-5, weight decay 0.1, betas (0.9, 0.99).",
+        "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion over the parameters coalesced into one flat "
+        "buffer; torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, foreach=True and fused=True "
+        "(torch has no Lion).",
         "ops = ATen operator calls per torch step (each is at least one kernel launch on a GPU); "
         "launches = Triton launches per tfuse step.",
     ]
@@ -164,8 +174,9 @@ def run(ctx: Context) -> Report:
     if not on_gpu:
         notes.append(
             "CPU run: the tfuse column times tfuse's PyTorch path (torch's fused CPU kernels over whole runs of "
-            "the flat buffers, no per-parameter work); it launches no Triton kernel. Through the interpreter the "
-            "Triton path launches one kernel per flat buffer per step (tests/test_optim.py checks it)."
+            "the flat buffers, no per-parameter work; Lion: torch's foreach ops over those runs); it launches no "
+            "Triton kernel. Through the interpreter the Triton path launches one kernel per flat buffer per step "
+            "(tests/test_optim.py checks it)."
         )
     columns = [
         Column("model", "model"), Column("algorithm", "optimizer"), Column("tensors", "tensors"),
@@ -178,7 +189,7 @@ def run(ctx: Context) -> Report:
         Column("vs_fused", "vs fused=True", "{:.2f}x"), CHECK_COLUMN,
     ]
     return Report(
-        name=NAME, title="Optimizer step: FusedAdam / FusedMomentum vs torch.optim", notes=notes, columns=columns,
+        name=NAME, title="Optimizer step: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion vs torch.optim", notes=notes, columns=columns,
         rows=rows, plot_panels="algorithm", plot_x="numel", plot_xlabel="parameters (elements)",
         plot_lines=[("tfuse_gbps", label), ("for-loop_gbps", "for-loop"), ("foreach_gbps", "foreach"),
                     ("fused_gbps", "fused=True"), ("copy_gbps", "copy (same bytes, at most 1 GiB)")],

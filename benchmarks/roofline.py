@@ -847,32 +847,37 @@ def _model_shapes(model: str) -> list[tuple[int, ...]]:
 _MODEL_TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2 small"}
 
 
+# algorithm -> (optimizer class name, its arguments, state tensors per parameter, label)
+_OPTIMIZERS = {
+    "adam": ("FusedAdam", dict(lr=1e-3), 2, "Adam"),
+    "sgd_momentum": ("FusedMomentum", dict(lr=1e-3), 1, "SGD momentum"),
+    "adagrad": ("FusedAdagrad", dict(lr=1e-3), 1, "Adagrad"),
+    "lion": ("FusedLion", dict(lr=1e-4, weight_decay=0.1), 1, "Lion"),
+}
+
+
 def optim_case(algorithm: str, model: str, dtype: torch.dtype, master: bool) -> Case:
-    """One step of FusedAdam or FusedMomentum over a model's parameter set (every parameter with a gradient)."""
+    """One step of a fused optimizer (_OPTIMIZERS) over a model's parameter set (every parameter with a gradient)."""
     shapes = _model_shapes(model)
     numel = sum(math.prod(s) for s in shapes)
     e = _esize(dtype)
 
     def run(capture: Capture) -> None:
         params = [torch.nn.Parameter(case_empty(*s, dtype=dtype)) for s in shapes]
-        if algorithm == "adam":
-            optimizer = tfuse.optim.FusedAdam(params, lr=1e-3, master_weights=master)
-        else:
-            optimizer = tfuse.optim.FusedMomentum(params, lr=1e-3, master_weights=master)
+        optimizer = getattr(tfuse.optim, class_name)(params, **options, master_weights=master)
         for param in params:
             param.grad = torch.empty_like(param)
         with capture.phase("step"):
             optimizer.step()
 
-    states = 2 if algorithm == "adam" else 1
+    class_name, options, states, label = _OPTIMIZERS[algorithm]
     state_e = 4 if master else e
     # grad read, parameter written (and read, without masters), each state read and written, masters read and written
     per_element = e + e + (0 if master else e) + 2 * states * state_e + (8 if master else 0)
     tag = _dtype_name(dtype) + ("+master" if master else "")
-    label = "Adam" if algorithm == "adam" else "SGD momentum"
     return Case(
         name=f"{algorithm}_{model}_{tag.replace('+', '_')}", family="optimizer",
-        title=f"{'FusedAdam' if algorithm == 'adam' else 'FusedMomentum'}.step, {_MODEL_TITLES[model]} "
+        title=f"{class_name}.step, {_MODEL_TITLES[model]} "
               f"({len(shapes)} tensors, {numel / 1e6:.1f}M) {tag}",
         run=run,
         phases=(Phase("step", numel, per_element * numel, f"{label}: {per_element} B/parameter"),),
@@ -927,8 +932,10 @@ def cases() -> list[Case]:
     out.append(depthwise_case(128, 144, 56, 5, 2, True, torch.float32, act="silu"))
     for model in ("resnet50", "gpt2"):
         for algorithm in ("adam", "sgd_momentum"):
-            out.append(optim_case("adam" if algorithm == "adam" else "sgd_momentum", model, torch.float32, False))
-            out.append(optim_case("adam" if algorithm == "adam" else "sgd_momentum", model, torch.bfloat16, True))
+            out.append(optim_case(algorithm, model, torch.float32, False))
+            out.append(optim_case(algorithm, model, torch.bfloat16, True))
+    for algorithm in ("adagrad", "lion"):
+        out.append(optim_case(algorithm, "resnet50", torch.float32, False))
     for model in ("resnet50", "gpt2"):
         out.append(clip_case(model, torch.float32))
     return out

@@ -48,6 +48,8 @@ _KERNELS = {
     "_norm_partial_kernel": "norm",
     "_adam_kernel": "optim",
     "_sgd_kernel": "optim",
+    "_lion_kernel": "optim",
+    "_adagrad_kernel": "optim",
 }
 #: The tile modes, re-exported from kernels/tiles.py as ``tl.constexpr``.
 _TILE_MODES = ("COL", "LINEAR", "ROW", "SCALAR", "STRIDED")

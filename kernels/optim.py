@@ -190,3 +190,80 @@ def _sgd_kernel(
                 grad = buffer
     param = param - grad * lr
     _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER, EMULATE_BF16_RTNE)
+
+
+# Columns of a Lion coefficient row.
+LION_LR = tl.constexpr(0)
+LION_BETA1 = tl.constexpr(1)
+LION_ONE_MINUS_BETA1 = tl.constexpr(2)
+LION_BETA2 = tl.constexpr(3)
+LION_ONE_MINUS_BETA2 = tl.constexpr(4)
+LION_DECAY = tl.constexpr(5)  # 1 - lr * weight_decay (decoupled, as AdamW)
+LION_GRAD_SIGN = tl.constexpr(6)  # -1 when maximizing
+LION_ROW = tl.constexpr(7)
+
+
+@triton.jit
+def _lion_kernel(
+    param_ptr, grad_ptr, exp_avg_ptr, master_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr, found_inf_ptr,
+    ACC_FP64: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr, FOUND_INF: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
+):
+    """Lion (Chen et al. 2023) over one block: the sign of an interpolated momentum, decoupled weight decay."""
+    ACC: tl.constexpr = _acc_dtype(ACC_FP64)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, found_inf_ptr, LION_ROW, BLOCK,
+                                START_ALIGN, END_ALIGN, FOUND_INF)
+    lr = tl.load(row + LION_LR).to(ACC)
+    beta1 = tl.load(row + LION_BETA1).to(ACC)
+    one_minus_beta1 = tl.load(row + LION_ONE_MINUS_BETA1).to(ACC)
+    beta2 = tl.load(row + LION_BETA2).to(ACC)
+    one_minus_beta2 = tl.load(row + LION_ONE_MINUS_BETA2).to(ACC)
+    decay = tl.load(row + LION_DECAY).to(ACC)
+    grad_sign = tl.load(row + LION_GRAD_SIGN).to(ACC)
+
+    grad = _load_grad(grad_ptr, offsets, mask, grad_scale_ptr, ACC, GRAD_SCALE, EMULATE_BF16_RTNE) * grad_sign
+    param = _load_param(param_ptr, master_ptr, offsets, mask, ACC, MASTER)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    direction = exp_avg * beta1 + grad * one_minus_beta1
+    # sign() as torch.sign: 0 at 0, NaN for NaN (x / |x| is NaN at 0; the select keeps NaN where x is NaN).
+    sign = tl.where(direction > 0, 1.0, tl.where(direction < 0, -1.0, direction * 0.0)).to(ACC)
+    param = param * decay - sign * lr
+    exp_avg = exp_avg * beta2 + grad * one_minus_beta2
+    tl.store(exp_avg_ptr + offsets, _cast_to(exp_avg, exp_avg_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+    _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER, EMULATE_BF16_RTNE)
+
+
+# Columns of an Adagrad coefficient row.
+ADAGRAD_CLR = tl.constexpr(0)  # lr / (1 + (step - 1) * lr_decay)
+ADAGRAD_WEIGHT_DECAY = tl.constexpr(1)
+ADAGRAD_EPS = tl.constexpr(2)
+ADAGRAD_GRAD_SIGN = tl.constexpr(3)  # -1 when maximizing
+ADAGRAD_ROW = tl.constexpr(4)
+
+
+@triton.jit
+def _adagrad_kernel(
+    param_ptr, grad_ptr, sum_ptr, master_ptr,
+    starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, grad_scale_ptr, found_inf_ptr,
+    ACC_FP64: tl.constexpr, MASTER: tl.constexpr, GRAD_SCALE: tl.constexpr, FOUND_INF: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr, BLOCK: tl.constexpr, START_ALIGN: tl.constexpr, END_ALIGN: tl.constexpr,
+):
+    """Adagrad (torch.optim.Adagrad semantics, dense gradients) over one block of a flat buffer."""
+    ACC: tl.constexpr = _acc_dtype(ACC_FP64)
+    offsets, mask, row = _block(starts_ptr, ends_ptr, block_rows_ptr, rows_ptr, found_inf_ptr, ADAGRAD_ROW, BLOCK,
+                                START_ALIGN, END_ALIGN, FOUND_INF)
+    clr = tl.load(row + ADAGRAD_CLR).to(ACC)
+    weight_decay = tl.load(row + ADAGRAD_WEIGHT_DECAY).to(ACC)
+    eps = tl.load(row + ADAGRAD_EPS).to(ACC)
+    grad_sign = tl.load(row + ADAGRAD_GRAD_SIGN).to(ACC)
+
+    grad = _load_grad(grad_ptr, offsets, mask, grad_scale_ptr, ACC, GRAD_SCALE, EMULATE_BF16_RTNE) * grad_sign
+    param = _load_param(param_ptr, master_ptr, offsets, mask, ACC, MASTER)
+    if weight_decay != 0:
+        grad = grad + param * weight_decay
+    # other=1: masked lanes never divide 0 by 0 when eps == 0 (no effect on stored lanes).
+    total = tl.load(sum_ptr + offsets, mask=mask, other=1.0).to(ACC) + grad * grad
+    param = param - clr * (grad / (tl.sqrt(total) + eps))
+    tl.store(sum_ptr + offsets, _cast_to(total, sum_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
+    _store_param(param_ptr, master_ptr, offsets, mask, param, MASTER, EMULATE_BF16_RTNE)

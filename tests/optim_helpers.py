@@ -58,6 +58,19 @@ def adam_cancellation_slack(options: dict, param: torch.Tensor, grad: torch.Tens
     return (lr * eps / ((g + decay * p).abs() + eps) ** 2 * rounding).float()
 
 
+def lion_sign_slack(group: dict, grad: torch.Tensor, exp_avg: torch.Tensor | None) -> torch.Tensor:
+    """Per element, how far two correct float32 evaluations of a Lion step may differ: 2 lr where the direction
+    c = b1 m + (1 - b1) g is zero within its own float32 rounding (its sign, the whole update, is then not
+    determined: low-precision m and g often cancel exactly in one evaluation and not in another), else 0.
+    ``group``: the parameter's group (its lr, betas and maximize)."""
+    lr, beta1 = float(group["lr"]), float(group["betas"][0])
+    g = grad.detach().double() * (-1.0 if group["maximize"] else 1.0)
+    m = torch.zeros_like(g) if exp_avg is None else exp_avg.detach().double()
+    direction = beta1 * m + (1 - beta1) * g
+    rounding = 4 * torch.finfo(torch.float32).eps * (beta1 * m.abs() + (1 - beta1) * g.abs())
+    return ((direction.abs() <= rounding).double() * 2 * lr).float()
+
+
 class Net(nn.Module):
     """Odd sizes, a zero-dim parameter, and an auxiliary head used only on even steps."""
 
@@ -232,6 +245,10 @@ def run_low_precision_step_by_step(model: Net, fused: torch.optim.Optimizer, tor
         params, copies, reference = float32_for_loop_reference(fused, torch_cls, options)
         adam = torch_cls is torch.optim.Adam  # AdamW's decay is decoupled: nothing added to the gradient
         slacks = [adam_cancellation_slack(options, c, c.grad) if adam and c.grad is not None else None for c in copies]
+        if torch_cls.__name__ == "ReferenceLion":
+            group_of = {id(c): group for group in reference.param_groups for c in group["params"]}
+            slacks = [None if c.grad is None else
+                      lion_sign_slack(group_of[id(c)], c.grad, reference.state.get(c, {}).get("exp_avg")) for c in copies]
         fused.step()
         reference.step()
         for index, (param, copied) in enumerate(zip(params, copies)):

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import tfuse
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
-from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum
+from optim_references import ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum
 
 BATCH = 4  # rows per rank
 STEPS = 3
@@ -33,6 +34,10 @@ OPTIMIZERS = {
     "adam": (FusedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.01, amsgrad=True), dict()),
     "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1),
               dict(reduce="all_reduce", gather="all_gather")),
+    # Adagrad creates every parameter's state in its constructor (torch's): the unused layer's too.
+    "adagrad": (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2,
+                                                        weight_decay=0.01), dict()),
+    "lion": (FusedLion, ReferenceLion, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1), dict()),
 }
 
 
@@ -461,6 +466,8 @@ SUITE = {
     "momentum": lambda rank, world: trajectory(rank, world, "momentum"),
     "adam": lambda rank, world: trajectory(rank, world, "adam"),
     "adamw": lambda rank, world: trajectory(rank, world, "adamw"),
+    "adagrad": lambda rank, world: trajectory(rank, world, "adagrad"),
+    "lion": lambda rank, world: trajectory(rank, world, "lion"),
     "adam_torch_path": lambda rank, world: trajectory(rank, world, "adam", backend="torch"),
     "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),
     "grad_scaler": grad_scaler,

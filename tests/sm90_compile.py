@@ -162,6 +162,10 @@ CASES = {
     "adam_eps0_fp64": optim_case(tfuse.optim.FusedAdam, torch.float64, eps=0.0),
     "sgd_momentum_fp32": optim_case(tfuse.optim.FusedSGD, torch.float32, lr=0.1, momentum=0.9, nesterov=True),
     "sgd_plain_bf16_master": optim_case(tfuse.optim.FusedSGD, torch.bfloat16, lr=0.1, master_weights=True),
+    "adagrad_fp32": optim_case(tfuse.optim.FusedAdagrad, torch.float32, lr=0.1, weight_decay=0.1),
+    "adagrad_bf16_master": optim_case(tfuse.optim.FusedAdagrad, torch.bfloat16, lr=0.1, master_weights=True),
+    "lion_fp32": optim_case(tfuse.optim.FusedLion, torch.float32, weight_decay=0.1),
+    "lion_bf16_master": optim_case(tfuse.optim.FusedLion, torch.bfloat16, master_weights=True),
 }
 
 # Every activation in every kernel family that applies one: each is a constexpr branch of the activation

@@ -23,7 +23,8 @@ import tfuse
 
 from optim_helpers import make_pair, run_side_by_side
 from tfuse.ops._activations import Activation
-from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
+from optim_references import ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim._update import _ADAM_BC2_SQRT, _ADAM_BETA1, _ADAM_BETA2, _ADAM_DECAY, _ADAM_STEP_SIZE, _SGD_LR
 
 ON_CUDA = torch.cuda.is_available()
@@ -246,7 +247,11 @@ CAPTURABLE_CASES = [
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     (FusedMomentum, torch.optim.SGD, dict(lr=0.05, momentum=0.8, dampening=0.2)),
+    (FusedLion, ReferenceLion, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1)),
 ]
+# The tests below take every other case, plus Lion (whose PyTorch path is torch's foreach ops, not a fused kernel).
+SOME_CAPTURABLE_CASES = CAPTURABLE_CASES[::2] + [CAPTURABLE_CASES[5]]
 
 
 def case_id(value):
@@ -268,7 +273,7 @@ def test_capturable_steps_follow_torch_optim(fused_cls, torch_cls, options, back
         assert all(step.device == device for step in steps)  # on the parameters' device, like torch's capturable
 
 
-@pytest.mark.parametrize("fused_cls,torch_cls,options", CAPTURABLE_CASES[::2], ids=case_id)
+@pytest.mark.parametrize("fused_cls,torch_cls,options", SOME_CAPTURABLE_CASES, ids=case_id)
 def test_capturable_tensor_lr_changes_are_read_on_the_device(fused_cls, torch_cls, options, device):
     model, reference = make_pair(device, torch.float64)
     lr = torch.tensor(options["lr"], dtype=torch.float64, device=device)
@@ -283,11 +288,18 @@ def test_capturable_tensor_lr_changes_are_read_on_the_device(fused_cls, torch_cl
     run_side_by_side(model, reference, fused, torch_opt, 5, device, torch.float64, before_step=schedule)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("capturable", [False, True])
-@pytest.mark.parametrize("fused_cls,torch_cls,options", CAPTURABLE_CASES[::2], ids=case_id)
-def test_grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, device):
+@pytest.mark.parametrize("fused_cls,torch_cls,options", SOME_CAPTURABLE_CASES, ids=case_id)
+def test_grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, backend, device):
     """A step with found_inf set changes nothing (parameters, state, step counts, gradients);
-    the next step continues as torch's does."""
+    the next step continues as torch's does. Both paths: the kernel masks the step, the PyTorch path's
+    calls skip it (torch's fused kernels, or the foreach maths selecting the old values on the device)."""
+    with tfuse.use_backend(backend):
+        _grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, device)
+
+
+def _grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, device):
     model, reference = make_pair(device, torch.float64)
     fused = fused_cls(model.parameters(), **options, capturable=capturable)
     torch_opt = torch_cls(reference.parameters(), **options)
@@ -329,7 +341,7 @@ def no_host_reads(allowed: tuple[str, ...] = ()):
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("fused_cls,torch_cls,options", CAPTURABLE_CASES[::2], ids=case_id)
+@pytest.mark.parametrize("fused_cls,torch_cls,options", SOME_CAPTURABLE_CASES, ids=case_id)
 def test_capturable_step_reads_nothing_on_the_host(fused_cls, torch_cls, options, device):
     model, reference = make_pair(device)
     lr = torch.tensor(options["lr"], device=device)

@@ -12,7 +12,8 @@ from optim_helpers import (
     run_side_by_side,
 )
 from tfuse.flat import FlatParams, flat_params_of
-from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
+from optim_references import ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
 
 CASES = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
@@ -29,6 +30,11 @@ CASES = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2)),
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.2, amsgrad=True, maximize=True)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.2, weight_decay=0.1, initial_accumulator_value=0.3,
+                                              eps=1e-6, maximize=True)),
+    (FusedLion, ReferenceLion, dict(lr=1e-2)),
+    (FusedLion, ReferenceLion, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.5, maximize=True)),
 ]
 
 
@@ -78,7 +84,7 @@ def test_trajectory_matches_torch(case, two_groups, dtype, backend, device):
             run_side_by_side(model, reference, fused, torch_opt, steps=steps, device=device, dtype=dtype)
     # The auxiliary head had no gradient on most odd steps (run_side_by_side
     # compared every step count with torch's); make sure that case happened.
-    if fused_cls in (FusedAdam, FusedAdamW):
+    if fused_cls in (FusedAdam, FusedAdamW, FusedAdagrad):
         assert float(fused.state[model.aux.weight]["step"]) < float(fused.state[model.first.weight]["step"]) == steps
 
 

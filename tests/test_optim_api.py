@@ -17,13 +17,13 @@ from torch import nn
 import tfuse
 from conftest import ON_CUDA
 from optim_helpers import backward, make_pair, run_side_by_side, saved
-from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_probe
 
 from helpers import run_command
 
 PAIRS = [(FusedSGD, torch.optim.SGD), (FusedMomentum, torch.optim.SGD), (FusedAdam, torch.optim.Adam),
-         (FusedAdamW, torch.optim.AdamW)]
+         (FusedAdamW, torch.optim.AdamW), (FusedAdagrad, torch.optim.Adagrad)]
 TFUSE_ONLY = {"master_weights": False}  # keyword-only extras, with their defaults
 DIFFERENT_DEFAULTS = {(FusedMomentum, "momentum"): 0.9}  # the point of FusedMomentum
 OPTIMIZER_LOGGER = "tfuse.optim._flat_optimizer"
@@ -61,6 +61,7 @@ def test_constructor_signature_is_torchs(fused_cls, torch_cls):
     (FusedMomentum, torch.optim.SGD, (0.05, 0.8, 0.2, 0.01)),
     (FusedAdam, torch.optim.Adam, (0.02, (0.8, 0.9), 1e-6, 0.1, True)),
     (FusedAdamW, torch.optim.AdamW, (0.02, (0.8, 0.9), 1e-6, 0.1, True)),
+    (FusedAdagrad, torch.optim.Adagrad, (0.05, 0.1, 0.01, 0.2, 1e-8)),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_positional_arguments_bind_as_in_torch(fused_cls, torch_cls, args, device):
     model, reference = make_pair(device)
@@ -176,6 +177,11 @@ def torch_error(factory) -> tuple[type, str]:
     (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=-0.9)),
     (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=0.0, nesterov=True)),
     (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.5, nesterov=True)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(lr=-0.1)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(lr_decay=-0.1)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(weight_decay=-0.1)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(initial_accumulator_value=-1.0)),
+    (FusedAdagrad, torch.optim.Adagrad, dict(eps=-1e-10)),
 ], ids=str)
 def test_bad_arguments_raise_torchs_error(fused_cls, torch_cls, options):
     layer = nn.Linear(2, 2)
@@ -186,6 +192,40 @@ def test_bad_arguments_raise_torchs_error(fused_cls, torch_cls, options):
     with pytest.raises(expected_type) as info:
         fused_cls(layer.parameters(), **options)
     assert str(info.value) == expected
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(lr=-0.1), "Invalid learning rate: -0.1"),
+    (dict(betas=(1.5, 0.9)), "Invalid beta parameter at index 0: 1.5"),
+    (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1: -0.1"),
+    (dict(betas=(0.9,)), "betas must be a pair (beta1, beta2)"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (dict(differentiable=True), "differentiable=True is not supported"),
+    (dict(capturable=1), "capturable must be a bool"),
+], ids=str)
+def test_lions_bad_arguments_are_refused_in_torchs_words(options, words):
+    """Lion has no torch class: its errors use the words torch's optimizers use for the same mistakes."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        FusedLion(nn.Linear(2, 2).parameters(), **options)
+    assert words in str(info.value)
+
+
+def test_lions_signature_and_describe():
+    """Positional as the paper's hyperparameters (lr, betas, weight_decay), the rest keyword-only; describe()
+    names the kernel, or torch's foreach ops on the PyTorch path."""
+    parameters = inspect.signature(FusedLion).parameters
+    assert [n for n, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
+        "params", "lr", "betas", "weight_decay"]
+    assert (parameters["lr"].default, parameters["betas"].default) == (1e-4, (0.9, 0.99))
+    layer = nn.Linear(3, 2)
+    optimizer = FusedLion(layer.parameters())
+    with tfuse.use_backend("triton"):
+        assert "Triton kernel _lion_kernel" in optimizer.describe()
+    with tfuse.use_backend("torch"):
+        assert "PyTorch path (torch's foreach ops" in optimizer.describe()
+    half = FusedLion(nn.Linear(3, 2).to(torch.bfloat16).parameters())
+    with tfuse.use_backend("torch"):
+        assert "on float32 copies rounded to bfloat16, as the Triton kernel computes" in half.describe()
 
 
 def test_tensor_betas_work_like_torchs(device):
@@ -206,7 +246,7 @@ def test_master_weights_must_be_a_bool():
 
 @pytest.mark.parametrize("fused_cls,kernel,torch_kernel", [
     (FusedAdam, "_adam_kernel", "_fused_adam_"), (FusedAdamW, "_adam_kernel", "_fused_adamw_"),
-    (FusedMomentum, "_sgd_kernel", "_fused_sgd_"),
+    (FusedMomentum, "_sgd_kernel", "_fused_sgd_"), (FusedAdagrad, "_adagrad_kernel", "_fused_adagrad_"),
 ])
 def test_describe_and_repr_say_which_backend_serves_the_step(fused_cls, kernel, torch_kernel, device):
     model, _ = make_pair(device)

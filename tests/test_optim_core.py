@@ -420,3 +420,33 @@ def test_flat_params_lists_every_flat_params_once(device):
     assert len(flats) == 3 and flats[0] is first and flats[1] is second
     assert all(flats[2].holds(p) for p in loose)
     assert "3 flat buffers" in optimizer.describe()
+
+
+@pytest.mark.parametrize("skip", [0.0, 1.0], ids=["step", "found_inf"])
+def test_adagrads_foreach_maths_equal_torchs_adagrad(skip):
+    """The PyTorch path of Adagrad off the CPU (torch's foreach ops; the CPU runs torch._fused_adagrad_):
+    every option, a GradScaler's scale and found_inf, against torch.optim.Adagrad's for-loop in float64 on
+    the unscaled gradients (found_inf: nothing changes, the gradients stay scaled)."""
+    from tfuse.optim._adagrad_family import AdagradStep, _foreach_adagrad
+
+    options = dict(lr=0.05, lr_decay=0.2, weight_decay=0.1, eps=1e-6, maximize=True)
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), ()]
+    params = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    grads = [torch.randn(s, dtype=torch.float64) * 4 for s in shapes]
+    sums = [torch.rand(s, dtype=torch.float64) for s in shapes]
+    ours = [[t.clone() for t in ts] for ts in (params, grads, sums)]
+    scale, found_inf = torch.tensor(4.0, dtype=torch.float64), torch.tensor(skip)
+    _foreach_adagrad(AdagradStep(**options, step=3), torch.tensor(3.0), *ours, scale, found_inf)
+    leaves = [torch.nn.Parameter(p.clone()) for p in params]
+    reference = torch.optim.Adagrad(leaves, **options, foreach=False)
+    for leaf, grad, total in zip(leaves, grads, sums):
+        leaf.grad = grad if skip else grad / 4
+        reference.state[leaf]["sum"].copy_(total)
+        reference.state[leaf]["step"].fill_(2)  # the step taken is the third
+    if not skip:
+        reference.step()
+    expected = ([leaf.detach() for leaf in leaves], [leaf.grad for leaf in leaves],
+                [reference.state[leaf]["sum"] for leaf in leaves])
+    for mine, theirs in zip(ours, expected):
+        torch.testing.assert_close(mine, theirs, rtol=1e-14, atol=1e-15)

@@ -31,7 +31,7 @@ def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, ["momentum", "adam", "adamw", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
+    return _suite(2, ["momentum", "adam", "adamw", "adagrad", "lion", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
                           "data_parallel_scaler", "masters", "memory", "save", "clip_idioms"])
 
 
@@ -88,7 +88,8 @@ def test_parameters_and_state_follow_torch_optim_on_the_whole_batch(world, name)
     assert torch.equal(first[-1], model()["unused"].bias.detach())  # the unused layer (None everywhere) did not
     assert ranks[1]["state"] is None  # consolidated on rank 0 only
     state, reference = ranks[0]["state"], ranks[0]["reference_state"]
-    assert len(state) == len(reference) == 10  # every parameter but the unused layer's two
+    # Every parameter but the unused layer's two; Adagrad's state exists from its constructor on: all 12.
+    assert len(state) == len(reference) == (12 if name == "adagrad" else 10)
     assert_states_equal(state, reference, **TIGHT)
 
 

@@ -72,7 +72,7 @@ def test_every_kernel_compiles(compiled):
         "_add_fwd_kernel", "_add_act_fwd_kernel", "_add_act_bwd_kernel", "_sum_partials_kernel",
         "_bn_stats_partial_kernel", "_bn_act_fwd_kernel", "_bn_act_bwd_reduce_kernel", "_bn_act_bwd_dx_kernel",
         "_norm_partial_kernel", "_norm_final_kernel", "_clip_segments_kernel", "_adam_kernel", "_sgd_kernel",
-        "_dw_fwd_kernel", "_dw_bwd_dx_kernel", "_dw_bwd_dw_partial_kernel",
+        "_adagrad_kernel", "_lion_kernel", "_dw_fwd_kernel", "_dw_bwd_dx_kernel", "_dw_bwd_dw_partial_kernel",
     }
 
 
@@ -137,6 +137,10 @@ def test_float64_uses_128_bit_accesses(compiled):
     ("adam_fp16", "_adam_kernel"),
     ("sgd_momentum_fp32", "_sgd_kernel"),
     ("sgd_plain_bf16_master", "_sgd_kernel"),
+    ("adagrad_fp32", "_adagrad_kernel"),
+    ("adagrad_bf16_master", "_adagrad_kernel"),
+    ("lion_fp32", "_lion_kernel"),
+    ("lion_bf16_master", "_lion_kernel"),
 ])
 def test_optimizer_streams_use_128_bit_accesses(compiled, case, kernel):
     # Scalar loads are the block table and the coefficient row; every stream is 128-bit.
@@ -225,7 +229,7 @@ ROOFLINE_CASES = [
     "bn_2048x7x7_cl_fp32", "bn_2048x7x7_cl_bf16",
     "adam_resnet50_fp32", "adam_resnet50_bf16_master", "sgd_momentum_resnet50_fp32",
     "sgd_momentum_resnet50_bf16_master", "adam_gpt2_fp32", "adam_gpt2_bf16_master", "sgd_momentum_gpt2_fp32",
-    "sgd_momentum_gpt2_bf16_master",
+    "sgd_momentum_gpt2_bf16_master", "adagrad_resnet50_fp32", "lion_resnet50_fp32",
     "clip_resnet50_fp32", "clip_gpt2_fp32",
     "dw_144x56x56_k3s1_nchw_fp32", "dw_144x56x56_k3s1_nchw_bf16",  # **
     "dw_144x56x56_k3s1_cl_fp32", "dw_144x56x56_k3s1_cl_bf16",
@@ -284,6 +288,8 @@ REGISTER_BOUNDS = {
     # Optimizers, 8 warps: Adam <= 128 keeps 2 blocks (16 warps), SGD <= 80 keeps 3 (24 warps).
     "_adam_kernel": 128,
     "_sgd_kernel": 80,
+    "_adagrad_kernel": 80,
+    "_lion_kernel": 80,
     # Depthwise stencils, 4 warps, 8 outputs per thread (4 in float64), kernel rows in a loop and the taps of a
     # row unrolled: forward <= 96 keeps 5 blocks (20 warps) resident, dx (which also reads act_out's saved
     # tensor per tap) <= 112 keeps 4. (Unrolling every tap of a 5x5 kernel needed 255 and spilled.)

@@ -36,6 +36,9 @@ class _OuterRule:
     def pads_stay_zero(self) -> bool:
         return True  # (padding: snapshot and parameters hold zeros there, so does the pseudo-gradient)
 
+    def initial_state(self, name: str, group: dict[str, Any]) -> float:
+        return 0.0  # the outer momentum starts at zero
+
 
 _OUTER_RULE = _OuterRule()
 

@@ -117,7 +117,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, FlatOptimizer)):
             raise TypeError(
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
-                f"FusedAdam, FusedAdamW), got {optimizer_class!r}"
+                f"FusedAdam, FusedAdamW, FusedAdagrad, FusedLion), got {optimizer_class!r}"
             )
         check_modes(reduce, gather)
         if defaults.get("capturable"):
@@ -138,13 +138,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The fused optimizer checks the arguments, binds the parameters to flat buffers, holds the groups and
         # is the update rule of the shards' span engines; its own whole-buffer spans never step, so they
         # allocate no state (state is created at a parameter's first step).
-        self.optim = optimizer_class(params, **defaults)
+        with FlatOptimizer.as_update_rule():
+            self.optim = optimizer_class(params, **defaults)
         self._constructing = True
         super().__init__(self.optim.param_groups, self.optim.defaults)
         self._constructing = False
         self.param_groups = self.optim.param_groups  # one set of groups: LR schedulers change the inner one
         self._check_replicas(optimizer_class)
         self._buffers = self._shard_buffers()
+        if self.optim.creates_state_eagerly:  # (Adagrad) this rank's part of every parameter's state, now
+            for buffer in self._buffers:
+                buffer.span.start(list(buffer.span.members), self.param_groups)
         for flat in self.optim.flat_params:
             flat.set_sharded_by(self)  # tfuse.optim.clip_grad_norm_ on these parameters comes here
         self._layouts = [b.flat.layout_version for b in self._buffers]

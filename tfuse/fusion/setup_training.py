@@ -17,12 +17,14 @@ from tfuse.fusion.strategy import FusionStrategy
 
 logger = logging.getLogger(__name__)
 
-#: Optimizer names -> (tfuse class name, torch class name) in tfuse.optim / torch.optim.
+#: Optimizer names -> (tfuse class name, torch class name or None) in tfuse.optim / torch.optim.
 OPTIMIZERS = {
     "adamw": ("FusedAdamW", "AdamW"),
     "adam": ("FusedAdam", "Adam"),
     "sgd": ("FusedSGD", "SGD"),
     "momentum": ("FusedMomentum", "SGD"),
+    "adagrad": ("FusedAdagrad", "Adagrad"),
+    "lion": ("FusedLion", None),
 }
 
 
@@ -83,7 +85,8 @@ def setup(
 
     Args:
         model: the model, on its device.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, or a tfuse fused optimizer class.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``, or a
+            tfuse fused optimizer class.
         strategy: what to fuse and how to train.
         example_inputs: a tensor or tuple of the forward's inputs (see :func:`fuse_model`).
         process_group: the data-parallel group (None: the default group, when initialised).
@@ -185,10 +188,15 @@ def _optimizer_class(optimizer: str | type, strategy: FusionStrategy, tfuse_opti
             raise ValueError(f"tfuse.setup: unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
         if strategy.fuse_all_optimizer_ops:
             return getattr(tfuse_optim, names[0])
+        if names[1] is None:
+            raise ValueError(
+                f"tfuse.setup: optimizer {optimizer!r} with fuse_all_optimizer_ops=False asks for torch.optim's "
+                f"implementation, and torch.optim has none; use fuse_all_optimizer_ops=True (tfuse.optim.{names[0]})"
+            )
         return getattr(torch.optim, names[1])
     if isinstance(optimizer, type) and issubclass(optimizer, flat_base):
         return optimizer
     raise TypeError(
-        "tfuse.setup: optimizer must be 'adamw', 'adam', 'sgd', 'momentum' or a tfuse fused optimizer class, "
-        f"got {optimizer!r}"
+        f"tfuse.setup: optimizer must be one of {', '.join(repr(n) for n in OPTIMIZERS)} or a tfuse fused optimizer "
+        f"class, got {optimizer!r}"
     )

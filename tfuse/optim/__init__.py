@@ -1,6 +1,7 @@
 """Fused optimizers over flat buffers, and gradient clipping over them.
 
-``FusedSGD``, ``FusedMomentum``, ``FusedAdam`` and ``FusedAdamW`` are
+``FusedSGD``, ``FusedMomentum``, ``FusedAdam``, ``FusedAdamW`` and
+``FusedAdagrad`` (and ``FusedLion``, which torch lacks) are
 ``torch.optim.Optimizer`` subclasses with torch's constructors (positional
 order, ``foreach``/``fused``/``capturable``/``differentiable`` included:
 accepted where tfuse can honour them, refused with a ValueError naming them
@@ -20,8 +21,19 @@ layer on top (the base of the fused optimizers, and their update rule).
 """
 
 from tfuse.optim._flat_optimizer import FlatOptimizer
+from tfuse.optim.adagrad import FusedAdagrad
 from tfuse.optim.adam import FusedAdam, FusedAdamW
 from tfuse.optim.clip import clip_grad_norm_
+from tfuse.optim.lion import FusedLion
 from tfuse.optim.sgd import FusedMomentum, FusedSGD
 
-__all__ = ["FlatOptimizer", "FusedAdam", "FusedAdamW", "FusedMomentum", "FusedSGD", "clip_grad_norm_"]
+__all__ = [
+    "FlatOptimizer",
+    "FusedAdagrad",
+    "FusedAdam",
+    "FusedAdamW",
+    "FusedLion",
+    "FusedMomentum",
+    "FusedSGD",
+    "clip_grad_norm_",
+]

@@ -25,10 +25,11 @@ engine's :class:`~tfuse.optim.span.UpdateRule`.
 from __future__ import annotations
 
 import collections
-import copy
+import contextlib
+import contextvars
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -37,6 +38,7 @@ from tfuse._eager import eager_in_compiled_code
 from tfuse.flat import FlatParams, flat_params_of
 from tfuse.optim import _report
 from tfuse.optim._checks import check_implementation_flags, check_params
+from tfuse.optim._optimizer_copies import OptimizerCopies
 from tfuse.optim._update import UpdateFamily
 from tfuse.optim.load_rules import check_saved_state, merge_saved_groups
 from tfuse.optim.span import MASTER_KEY, SpanMember, SpanStepper, closure_and_amp
@@ -44,7 +46,10 @@ from tfuse.optim.span import MASTER_KEY, SpanMember, SpanStepper, closure_and_am
 logger = logging.getLogger(__name__)
 
 
-class FlatOptimizer(torch.optim.Optimizer):
+_AS_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfuse_optimizer_as_rule", default=False)
+
+
+class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
     """Base of the fused optimizers: parameters in flat buffers, one update per buffer.
 
     Subclasses set :attr:`family` (the update maths), :attr:`state_names`
@@ -57,6 +62,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     family: ClassVar[UpdateFamily]
     state_names: ClassVar[tuple[str, ...]]
     torch_name: ClassVar[str]  # the torch.optim class this one replaces (named in error messages)
+    # Whether the constructor creates every parameter's state (torch's Adagrad does), not the first gradient.
+    creates_state_eagerly: ClassVar[bool] = False
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
     def __init__(
@@ -78,6 +85,28 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._constructing = False
         self._bind([p for group in self.param_groups for p in group["params"]])
+        if self.creates_state_eagerly and not _AS_RULE.get():
+            self._start_state_now()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def as_update_rule() -> Iterator[None]:
+        """Fused optimizers built inside serve only as an update rule and the holder of the parameter groups
+        (a ShardedOptimizer's): none creates state in its constructor, which the owner of the state does.
+
+        Example:
+            >>> import torch
+            >>> from tfuse.optim import FlatOptimizer, FusedAdagrad
+            >>> with FlatOptimizer.as_update_rule():
+            ...     rule = FusedAdagrad(torch.nn.Linear(2, 2).parameters())
+            >>> len(rule.state)
+            0
+        """
+        token = _AS_RULE.set(True)
+        try:
+            yield
+        finally:
+            _AS_RULE.reset(token)
 
     def _init_runtime(self) -> None:
         """What the optimizer keeps besides torch's defaults/state/param_groups (rebuilt after a copy)."""
@@ -196,72 +225,6 @@ class FlatOptimizer(torch.optim.Optimizer):
                 elif name in state.buffers:
                     entry[name] = state.view(name, member.param)
 
-    # ------------------------------------------------------------------ copies
-
-    def __getstate__(self) -> dict[str, Any]:
-        """torch.optim's picklable state, plus ``master_weights``.
-
-        State tensors are handed out compact (cloned): each is a view of a whole
-        flat state buffer, and pickle would otherwise write the whole buffer once
-        per view. The flat buffers themselves are not part of the state; they are
-        rebuilt by :meth:`__setstate__`.
-        """
-        state = {
-            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            for p, entry in self.state.items()
-        }
-        return {**self._raw_state(), "state": state}
-
-    def _raw_state(self) -> dict[str, Any]:
-        # The FlatParams the parameters live in travel along: copied in the same deepcopy call as the
-        # parameters (or unpickled with them), they coalesce the copies again with the same layout, whichever
-        # of the model, the FlatParams and the optimizer the call reaches first; the copy then holds them.
-        return {
-            "defaults": self.defaults,
-            "state": self.state,
-            "param_groups": self.param_groups,
-            "master_weights": self.master_weights,
-            "capturable": self.capturable,
-            "flat_params": list(self._flats),
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuilds an optimizer from :meth:`__getstate__`'s state (unpickling, copy.deepcopy).
-
-        As with torch.optim, the copy holds the parameters it was given (the
-        copies a deepcopy or unpickle made), bound to the copied FlatParams
-        that hold them; parameters in none are coalesced into new ones, and the
-        per-parameter state is copied into the new flat state buffers.
-        """
-        state = dict(state)
-        saved_state = state.pop("state", {})
-        flats = state.pop("flat_params", []) + state.pop("owned_flat_params", [])  # (the latter: older pickles)
-        state.setdefault("master_weights", False)
-        capturable = state.pop("capturable", None)
-        super().__setstate__(state)
-        self.capturable = bool(self.defaults.get("capturable", False)) if capturable is None else capturable
-        self._init_runtime()
-        self._flats = list(flats)
-        for group in self.param_groups:
-            for name, default in self.defaults.items():
-                group.setdefault(name, default)
-        self.state = collections.defaultdict(dict)
-        self._bind([p for group in self.param_groups for p in group["params"]])
-        place = {id(m.param): (s, m) for s in self._spans for m in s.members}
-        for param, entry in saved_state.items():
-            where = place.get(id(param))
-            if where is not None and entry:
-                self.state[param] = self._load_entry(*where, entry)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> FlatOptimizer:
-        """A deep copy like torch.optim's: copies of the parameters (shared with whatever else
-        the same ``copy.deepcopy`` call copies, e.g. the model), copies of the state."""
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        # The views go to deepcopy as they are: it copies each flat buffer's storage once.
-        copied.__setstate__(copy.deepcopy(self._raw_state(), memo))
-        return copied
-
     # ------------------------------------------------------------------ the update rule (see UpdateRule)
 
     def update_row(self, group: dict[str, Any], step: int, first: bool) -> Any:
@@ -272,6 +235,10 @@ class FlatOptimizer(torch.optim.Optimizer):
     def state_names_of(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The flat state a parameter of ``group`` gets at its first step (none: SGD without momentum)."""
         return self.update_row(group, 1, True).state_names
+
+    def initial_state(self, name: str, group: dict[str, Any]) -> float:
+        """The value state ``name`` starts from at a parameter's first step (zero; Adagrad's ``sum`` differs)."""
+        return 0.0
 
     def pads_stay_zero(self) -> bool:
         """Whether the update keeps zero padding at zero (runs may then cross it)."""
@@ -366,6 +333,18 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._new_entry(span, member)
         if span.last_backend is not None:
             _report.announce(self, span, span.last_backend, logger)
+
+    def _start_state_now(self) -> None:
+        """Creates every parameter's state now, as torch's Adagrad does in its constructor (step 0 and the
+        initial values), instead of at each parameter's first gradient."""
+        where = {}
+        for span in self._spans:
+            fresh = [m for m in span.members if not m.started]
+            span.start(fresh, self.param_groups)
+            where.update((id(m.param), (span, m)) for m in fresh)
+        for param in (p for group in self.param_groups for p in group["params"]):  # torch's order of entries
+            if id(param) in where:
+                self._new_entry(*where[id(param)])
 
     def _new_entry(self, span: SpanStepper, member: SpanMember) -> None:
         """torch's lazy state creation, seen from optimizer.state: the entry of a member at its first step."""

@@ -19,18 +19,22 @@ def route(optimizer: FlatOptimizer, span: SpanStepper, backend: Backend) -> str:
     """How ``backend`` updates ``span`` each step, in words."""
     if backend is Backend.TRITON:
         return f"the Triton kernel {optimizer.family.kernel_name} (one launch per flat buffer)"
+    family = optimizer.family
     kernels = sorted({optimizer.update_row(group, 1, True).torch_kernel for group in optimizer.param_groups})
     routes = []
     for kernel in kernels:
+        words = family.torch_words(kernel)
         if span.master_weights:
-            routes.append(f"torch.{kernel} on the float32 master weights")
-        elif upcasts(optimizer.family, kernel, span.dtype, span.device, master=False):
-            routes.append(
-                f"torch.{kernel} on float32 copies rounded to {dtype_name(span.dtype)}, as torch's "
-                f"{dtype_name(span.dtype)} kernel on {span.device.type} failed tfuse's check"
+            routes.append(f"{words} on the float32 master weights")
+        elif upcasts(family, kernel, span.dtype, span.device, master=False):
+            why = (
+                "as the Triton kernel computes"
+                if not family.native_low_precision
+                else f"as torch's {dtype_name(span.dtype)} kernel on {span.device.type} failed tfuse's check"
             )
+            routes.append(f"{words} on float32 copies rounded to {dtype_name(span.dtype)}, {why}")
         else:
-            routes.append(f"torch.{kernel}")
+            routes.append(words)
     return f"the PyTorch path ({', '.join(routes)}; no Triton kernel runs)"
 
 

@@ -32,6 +32,8 @@ def upcasts(family: UpdateFamily, kernel: str, dtype: torch.dtype, device: torch
     """
     if master:
         return True
+    if dtype in LOW_PRECISION and not family.native_low_precision:
+        return True
     return dtype in LOW_PRECISION and not native_low_precision_ok(family, kernel, dtype, device)
 
 

@@ -31,12 +31,49 @@ from tfuse.optim._update_rows import (
 )
 
 
+def launch_update(
+    kernel: Any,
+    buffers: FlatBuffers,
+    states: tuple[torch.Tensor, ...],
+    table: RunTable,
+    rows: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    meta: dict[str, Any],
+) -> None:
+    """One launch of an update kernel of ``kernels/optim.py`` over ``table``: its arguments are the parameters, the
+    gradients, ``states`` (the family's state buffers, in the kernel's order), the masters, the block table, the
+    coefficient table ``rows`` and GradScaler's scale and flag (``rows`` stands in for an absent pointer)."""
+    param = buffers.param
+    starts, ends, block_rows = table.blocks(param.device)
+    pointers = (
+        param,
+        buffers.grad,
+        *states,
+        param if buffers.master is None else buffers.master,
+        starts,
+        ends,
+        block_rows,
+        rows,
+        rows if grad_scale is None else grad_scale,
+        rows if found_inf is None else found_inf,
+    )
+    launch(kernel, (starts.numel(),), pointers, meta, param.device)
+
+
 class UpdateFamily:
     """An optimizer family's update: its Triton kernel and its call of torch's fused kernel."""
 
     name: ClassVar[str]
     kernel_name: ClassVar[str]  # the Triton kernel (named in describe() and the log)
     uses_step: ClassVar[bool]  # whether the update depends on a per-parameter step count (torch's 'step')
+    # Whether the PyTorch path may run float16/bfloat16 buffers natively (after the probe of torch's kernel);
+    # False: always on float32 copies (a family written with torch's foreach ops, which round each intermediate).
+    native_low_precision: ClassVar[bool] = True
+
+    def torch_words(self, kernel: str) -> str:
+        """The PyTorch path's torch call ``kernel`` (a row's ``torch_kernel``), in describe()'s words."""
+        return f"torch.{kernel}"
 
     def launch(
         self,
@@ -93,27 +130,9 @@ class _AdamFamily(UpdateFamily):
         state = buffers.state
         exp_avg_sq = state["exp_avg_sq"]
         max_exp_avg_sq = state.get("max_exp_avg_sq")
-        starts, ends, block_rows = table.blocks(buffers.param.device)
-        launch(
-            kernels._adam_kernel,
-            (starts.numel(),),
-            (
-                buffers.param,
-                buffers.grad,
-                state["exp_avg"],
-                exp_avg_sq,
-                exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,
-                buffers.param if buffers.master is None else buffers.master,
-                starts,
-                ends,
-                block_rows,
-                rows,
-                rows if grad_scale is None else grad_scale,
-                rows if found_inf is None else found_inf,
-            ),
-            dict(AMSGRAD=max_exp_avg_sq is not None, **meta),
-            buffers.param.device,
-        )
+        states = (state["exp_avg"], exp_avg_sq, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
+        meta = dict(AMSGRAD=max_exp_avg_sq is not None, **meta)
+        launch_update(kernels._adam_kernel, buffers, states, table, rows, grad_scale, found_inf, meta)
 
     def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
         # torch's fused kernels want the step count on the parameters' device (CUDA with TFUSE_BACKEND=torch).
@@ -167,25 +186,9 @@ class _SGDFamily(UpdateFamily):
 
     def launch(self, buffers, table, rows, grad_scale, found_inf, meta):
         momentum_buffer = buffers.state.get("momentum_buffer")
-        starts, ends, block_rows = table.blocks(buffers.param.device)
-        launch(
-            kernels._sgd_kernel,
-            (starts.numel(),),
-            (
-                buffers.param,
-                buffers.grad,
-                buffers.param if momentum_buffer is None else momentum_buffer,
-                buffers.param if buffers.master is None else buffers.master,
-                starts,
-                ends,
-                block_rows,
-                rows,
-                rows if grad_scale is None else grad_scale,
-                rows if found_inf is None else found_inf,
-            ),
-            dict(MOMENTUM=momentum_buffer is not None, **meta),
-            buffers.param.device,
-        )
+        states = (buffers.param if momentum_buffer is None else momentum_buffer,)
+        meta = dict(MOMENTUM=momentum_buffer is not None, **meta)
+        launch_update(kernels._sgd_kernel, buffers, states, table, rows, grad_scale, found_inf, meta)
 
     def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
         torch._fused_sgd_(

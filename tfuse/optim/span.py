@@ -53,6 +53,9 @@ class UpdateRule(Protocol):
     def pads_stay_zero(self) -> bool:
         """Whether the update keeps zero padding at zero (runs may then cross it)."""
 
+    def initial_state(self, name: str, group: dict[str, Any]) -> float:
+        """The value state ``name`` of a parameter of ``group`` starts from (0 but for Adagrad's ``sum``)."""
+
 
 @dataclasses.dataclass(eq=False)
 class SpanMember:
@@ -299,16 +302,18 @@ class SpanStepper:
     # ------------------------------------------------------------------ state
 
     def start(self, members: list[SpanMember], groups: list[dict[str, Any]]) -> None:
-        """torch's lazy state creation for members at their first step: their part of the state starts at zero,
-        their step count at 0 and their masters at the parameters' values."""
+        """torch's state creation for members (at their first step, lazily; or eagerly, as Adagrad does): their part
+        of the state starts at the rule's initial value (zero but for Adagrad's ``sum``), their step count at 0
+        and their masters at the parameters' values."""
         state, uses_step = self.state, self.rule.family.uses_step
         for member in members:
             member.started = True
             member.version = -1  # masters from the parameter (refresh_masters)
             if uses_step:
                 state.steps[member.index] = 0.0
-            for name in self.rule.state_names_of(groups[member.group]):
-                state.ensure(name)[member.start : member.end].zero_()
+            group = groups[member.group]
+            for name in self.rule.state_names_of(group):
+                state.ensure(name)[member.start : member.end].fill_(self.rule.initial_state(name, group))
         if self.master_weights:
             self.refresh_masters(members)
 
