@@ -18,7 +18,8 @@ import torch
 from dist_helpers import run_named
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
-from tfuse.optim import FusedAdam, FusedAdamW, FusedMomentum, FusedSGD
+from optim_references import ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
 
 BATCH = 3  # rows per rank
 STEPS = 4
@@ -29,6 +30,8 @@ FAMILIES = {
     "momentum": (FusedMomentum, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "adam": (FusedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.01, amsgrad=True)),
     "adamw": (FusedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "adagrad": (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.1)),
+    "lion": (FusedLion, ReferenceLion, dict(lr=0.01, weight_decay=0.1)),
 }
 
 

@@ -396,6 +396,41 @@ def save(rank: int, world: int) -> dict:
     return {"consolidated": opt.consolidated_state_dict(to=0), "sharded": opt.state_dict(), "params": params_of(net)}
 
 
+def adagrad_checkpoint(rank: int, world: int) -> dict:
+    """Sharded Adagrad's consolidated checkpoint (every parameter's state, from the constructor on) loads into a
+    new ShardedOptimizer and into torch.optim.Adagrad, and both continue like the original."""
+    fused, torch_class, args, _ = OPTIMIZERS["adagrad"]
+    net = model()
+    opt = ShardedOptimizer(net.parameters(), fused, **args)
+    fresh = opt.consolidated_state_dict(to=0)  # before any step: step 0 and the initial sums, as torch's
+    all_batches = batches(world, STEPS + 2)
+    for step, batch in enumerate(all_batches[:STEPS]):
+        opt.zero_grad()
+        rank_loss(net, batch, rank, step).backward()
+        opt.step()
+    saved = opt.consolidated_state_dict(to=0)
+    broadcast = [saved]
+    torch.distributed.broadcast_object_list(broadcast, src=0)
+    again_net = model()
+    again_net.load_state_dict(net.state_dict())
+    again = ShardedOptimizer(again_net.parameters(), fused, **args)
+    again.load_state_dict(broadcast[0])
+    reference = model()
+    reference.load_state_dict(net.state_dict())
+    ref_opt = torch_class(reference.parameters(), foreach=False, **args)
+    ref_opt.load_state_dict(broadcast[0])
+    for step, batch in enumerate(all_batches[STEPS:], start=STEPS):
+        for network, optimizer in ((net, opt), (again_net, again)):
+            optimizer.zero_grad()
+            rank_loss(network, batch, rank, step).backward()
+            optimizer.step()
+        ref_opt.zero_grad()
+        (sum(rank_loss(reference, batch, r, step) for r in range(world)) / world).backward()
+        ref_opt.step()
+    return {"fresh": None if fresh is None else fresh["state"], "params": params_of(net),
+            "again": params_of(again_net), "reference": params_of(reference)}
+
+
 def reload(rank: int, world: int, consolidated: dict, sharded: list[dict]) -> dict:
     """Loads a consolidated dict saved at another world size; a sharded one of that world size must fail."""
     net = model()
@@ -468,6 +503,7 @@ SUITE = {
     "adamw": lambda rank, world: trajectory(rank, world, "adamw"),
     "adagrad": lambda rank, world: trajectory(rank, world, "adagrad"),
     "lion": lambda rank, world: trajectory(rank, world, "lion"),
+    "adagrad_checkpoint": adagrad_checkpoint,
     "adam_torch_path": lambda rank, world: trajectory(rank, world, "adam", backend="torch"),
     "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),
     "grad_scaler": grad_scaler,

@@ -31,7 +31,7 @@ def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, ["momentum", "adam", "adamw", "adagrad", "lion", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
+    return _suite(2, ["momentum", "adam", "adamw", "adagrad", "lion", "adagrad_checkpoint", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
                           "data_parallel_scaler", "masters", "memory", "save", "clip_idioms"])
 
 
@@ -91,6 +91,21 @@ def test_parameters_and_state_follow_torch_optim_on_the_whole_batch(world, name)
     # Every parameter but the unused layer's two; Adagrad's state exists from its constructor on: all 12.
     assert len(state) == len(reference) == (12 if name == "adagrad" else 10)
     assert_states_equal(state, reference, **TIGHT)
+
+
+def test_sharded_adagrads_checkpoint_has_torchs_state_and_resumes_in_both(world2):
+    """Adagrad's state exists from its constructor on (torch's rule), sharded too: the consolidated state dict
+    of a fresh optimizer is torch's (step 0, the initial sums, every parameter); a trained one loads into a new
+    ShardedOptimizer and into torch.optim.Adagrad, and all three go on alike."""
+    ranks = scenario(world2, "adagrad_checkpoint")
+    fresh = ranks[0]["fresh"]
+    assert ranks[1]["fresh"] is None and len(fresh) == 12
+    for entry in fresh.values():
+        assert float(entry["step"]) == 0.0 and torch.all(entry["sum"] == 0.2)
+    for result in ranks:
+        for ours, again, theirs in zip(result["params"], result["again"], result["reference"]):
+            torch.testing.assert_close(again, ours, **EXACT)
+            torch.testing.assert_close(ours, theirs, **TIGHT)
 
 
 def test_clip_grad_norm_on_the_shards_equals_torchs_on_the_whole_batch(world):
