@@ -256,8 +256,23 @@ def _lion_reference_step(params: list[torch.nn.Parameter], lr: float, weight_dec
             m.mul_(0.99).add_(p.grad, alpha=0.01)
 
 
+def _lamb_reference_step(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> None:
+    """LAMB (You et al. 2019, Algorithm 2) per tensor, betas (0.9, 0.999), eps 1e-6, bias correction."""
+    with torch.no_grad():
+        for p in params:
+            state = p.__dict__.setdefault("_lamb", {"m": torch.zeros_like(p), "v": torch.zeros_like(p), "t": 0})
+            state["t"] += 1
+            state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+            state["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+            u = (state["m"] / (1 - 0.9 ** state["t"])) / ((state["v"] / (1 - 0.999 ** state["t"])).sqrt() + 1e-6)
+            u += weight_decay * p
+            w_norm, u_norm = p.norm(), u.norm()
+            ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+            p.sub_(u * (lr * ratio))
+
+
 def fam_optim(run: Run) -> None:
-    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLion, FusedMomentum
+    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLion, FusedMomentum
 
     # name -> (tfuse optimizer, torch.optim class and options or None, state tensors per parameter)
     algorithms = {
@@ -266,9 +281,10 @@ def fam_optim(run: Run) -> None:
                      (torch.optim.SGD, dict(lr=1e-3, momentum=0.9)), 1),
         "adagrad": (lambda ps, m: FusedAdagrad(ps, lr=1e-3, master_weights=m), (torch.optim.Adagrad, dict(lr=1e-3)), 1),
         "lion": (lambda ps, m: FusedLion(ps, lr=1e-4, weight_decay=0.1, master_weights=m), None, 1),
+        "lamb": (lambda ps, m: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, master_weights=m), None, 2),
     }
     cases = (("adam", torch.float32, False), ("momentum", torch.float32, False), ("adam", torch.bfloat16, True),
-             ("adagrad", torch.float32, False), ("lion", torch.float32, False))
+             ("adagrad", torch.float32, False), ("lion", torch.float32, False), ("lamb", torch.float32, False))
     for model, shapes in _model_shapes(run):
         for algo, dtype, master in cases:
             make, torch_class, states = algorithms[algo]
@@ -283,8 +299,10 @@ def fam_optim(run: Run) -> None:
             ref_opt = None if torch_class is None else torch_class[0](reference, **torch_class[1], foreach=False)
             for _ in range(3):
                 opt.step()
-                if ref_opt is None:
+                if ref_opt is None and algo == "lion":
                     _lion_reference_step(reference, 1e-4, 0.1)
+                elif ref_opt is None:
+                    _lamb_reference_step(reference, 1e-3, 0.01)
                 else:
                     ref_opt.step()
             err = rel_err(torch.cat([p.detach().float().flatten() for p in params]),

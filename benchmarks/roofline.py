@@ -853,6 +853,7 @@ _OPTIMIZERS = {
     "sgd_momentum": ("FusedMomentum", dict(lr=1e-3), 1, "SGD momentum"),
     "adagrad": ("FusedAdagrad", dict(lr=1e-3), 1, "Adagrad"),
     "lion": ("FusedLion", dict(lr=1e-4, weight_decay=0.1), 1, "Lion"),
+    "lamb": ("FusedLAMB", dict(lr=1e-3, weight_decay=0.01), 2, "LAMB"),
 }
 
 
@@ -934,7 +935,7 @@ def cases() -> list[Case]:
         for algorithm in ("adam", "sgd_momentum"):
             out.append(optim_case(algorithm, model, torch.float32, False))
             out.append(optim_case(algorithm, model, torch.bfloat16, True))
-    for algorithm in ("adagrad", "lion"):
+    for algorithm in ("adagrad", "lion", "lamb"):
         out.append(optim_case(algorithm, "resnet50", torch.float32, False))
     for model in ("resnet50", "gpt2"):
         out.append(clip_case(model, torch.float32))

@@ -29,6 +29,7 @@ _MODULES = (
     "norm",
     "optim",
     "tiles",
+    "trust",
 )
 #: Kernels by name -> their module (``kernels._add_fwd_kernel`` and so on).
 _KERNELS = {
@@ -50,6 +51,9 @@ _KERNELS = {
     "_sgd_kernel": "optim",
     "_lion_kernel": "optim",
     "_adagrad_kernel": "optim",
+    "_lamb_moments_kernel": "trust",
+    "_trust_ratio_kernel": "trust",
+    "_lamb_update_kernel": "trust",
 }
 #: The tile modes, re-exported from kernels/tiles.py as ``tl.constexpr``.
 _TILE_MODES = ("COL", "LINEAR", "ROW", "SCALAR", "STRIDED")

@@ -37,3 +37,50 @@ class ReferenceLion(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"]).add_(torch.sign(direction), alpha=-lr)
                 exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
         return loss
+
+
+class ReferenceLAMB(torch.optim.Optimizer):
+    """LAMB, You et al. 2019 ("Large Batch Optimization for Deep Learning"), Algorithm 2, per tensor, with the
+    conventions of Apex's FusedLAMB and timm's Lamb: decoupled weight decay inside the direction, trust ratio 1
+    where a norm is 0, only groups with weight decay adapted unless ``always_adapt``, ``trust_clip`` caps it at 1.
+    No global gradient clipping. State ``step`` (a tensor, as torch's), ``exp_avg``, ``exp_avg_sq``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *, bias_correction=True,
+                 always_adapt=False, trust_clip=False, maximize=False, foreach=None, differentiable=False, fused=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction, always_adapt=always_adapt,
+                                      trust_clip=trust_clip, maximize=maximize, foreach=foreach,
+                                      differentiable=differentiable, fused=fused))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if group["maximize"] else p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if group["bias_correction"] else (1.0, 1.0)
+                direction = (exp_avg / bc1) / ((exp_avg_sq / bc2).sqrt() + eps) + decay * p
+                ratio = 1.0
+                if decay != 0 or group["always_adapt"]:
+                    w_norm, u_norm = float(p.norm()), float(direction.norm())
+                    ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+                    if group["trust_clip"]:
+                        ratio = min(ratio, 1.0)
+                p.sub_(direction, alpha=lr * ratio)
+        return loss

@@ -166,6 +166,8 @@ CASES = {
     "adagrad_bf16_master": optim_case(tfuse.optim.FusedAdagrad, torch.bfloat16, lr=0.1, master_weights=True),
     "lion_fp32": optim_case(tfuse.optim.FusedLion, torch.float32, weight_decay=0.1),
     "lion_bf16_master": optim_case(tfuse.optim.FusedLion, torch.bfloat16, master_weights=True),
+    "lamb_fp32": optim_case(tfuse.optim.FusedLAMB, torch.float32, weight_decay=0.1),
+    "lamb_bf16_master": optim_case(tfuse.optim.FusedLAMB, torch.bfloat16, master_weights=True),
 }
 
 # Every activation in every kernel family that applies one: each is a constexpr branch of the activation

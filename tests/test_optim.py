@@ -12,8 +12,8 @@ from optim_helpers import (
     run_side_by_side,
 )
 from tfuse.flat import FlatParams, flat_params_of
-from optim_references import ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
 
 CASES = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
@@ -35,6 +35,9 @@ CASES = [
                                               eps=1e-6, maximize=True)),
     (FusedLion, ReferenceLion, dict(lr=1e-2)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.5, maximize=True)),
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-4, weight_decay=0.0, always_adapt=True,
+                                    trust_clip=True, bias_correction=False, maximize=True)),
 ]
 
 
@@ -84,7 +87,7 @@ def test_trajectory_matches_torch(case, two_groups, dtype, backend, device):
             run_side_by_side(model, reference, fused, torch_opt, steps=steps, device=device, dtype=dtype)
     # The auxiliary head had no gradient on most odd steps (run_side_by_side
     # compared every step count with torch's); make sure that case happened.
-    if fused_cls in (FusedAdam, FusedAdamW, FusedAdagrad):
+    if fused_cls in (FusedAdam, FusedAdamW, FusedAdagrad, FusedLAMB):
         assert float(fused.state[model.aux.weight]["step"]) < float(fused.state[model.first.weight]["step"]) == steps
 
 

@@ -17,7 +17,7 @@ from torch import nn
 import tfuse
 from conftest import ON_CUDA
 from optim_helpers import backward, make_pair, run_side_by_side, saved
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_probe
 
 from helpers import run_command
@@ -208,6 +208,39 @@ def test_lions_bad_arguments_are_refused_in_torchs_words(options, words):
     with pytest.raises((ValueError, TypeError)) as info:
         FusedLion(nn.Linear(2, 2).parameters(), **options)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(lr=-0.1), "Invalid learning rate: -0.1"),
+    (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
+    (dict(eps=-1e-6), "Invalid epsilon value: -1e-06"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (dict(fused=False), "fused=False asks for one of torch's non-fused implementations"),
+], ids=str)
+def test_lambs_bad_arguments_are_refused_in_torchs_words(options, words):
+    with pytest.raises(ValueError) as info:
+        FusedLAMB(nn.Linear(2, 2).parameters(), **options)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_lamb_takes_three_launches_per_flat_buffer_and_says_so(backend, device):
+    """Per-parameter trust ratios, whatever the number of parameters and groups: moments and partial sums, the
+    ratios, the update; none on the PyTorch path."""
+    model, _ = make_pair(device)
+    extra = nn.Linear(3, 4).to(device=device, dtype=torch.float64)  # a second flat buffer
+    optimizer = FusedLAMB([{"params": model.parameters()}, {"params": extra.parameters(), "weight_decay": 0.0}])
+    backward(model, torch.randn(4, 5, device=device), 0)
+    extra(torch.randn(2, 3, device=device, dtype=torch.float64)).sum().backward()
+    with tfuse.use_backend(backend):
+        text = optimizer.describe()
+        with tfuse.count_launches() as launches:
+            optimizer.step()
+    if backend == "triton":
+        assert launches.by_kernel == {"_lamb_moments_kernel": 2, "_trust_ratio_kernel": 2, "_lamb_update_kernel": 2}
+        assert "6 Triton launches per step" in text and "(3 launches per flat buffer)" in text
+    else:
+        assert launches.total == 0 and "PyTorch path (torch's foreach ops (_foreach_norm" in text
 
 
 def test_lions_signature_and_describe():

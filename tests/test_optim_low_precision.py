@@ -10,8 +10,8 @@ from torch import nn
 
 import tfuse
 from optim_helpers import LOW_PRECISION, assert_rounded_from, float32_for_loop_reference, make_pair, run_low_precision_step_by_step
-from optim_references import ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_path, _torch_probe, _update_buffers
 from tfuse.optim._update import native_low_precision_ok
 
@@ -24,6 +24,7 @@ ROUTE_CASES = [
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.2, maximize=True)),
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, maximize=True)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3, maximize=True)),
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, maximize=True)),
 ]
 KERNELS = [(FusedSGD, "_fused_sgd_"), (FusedAdam, "_fused_adam_"), (FusedAdam, "_fused_adamw_")]
 

@@ -8,8 +8,8 @@ from torch import nn
 
 import tfuse
 from optim_helpers import assert_same_params, assert_same_state, backward, make_pair, run_side_by_side, saved
-from optim_references import ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
 
 PAIRS = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
@@ -17,6 +17,7 @@ PAIRS = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2, weight_decay=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3)),
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, trust_clip=True)),
 ]
 
 
@@ -119,6 +120,7 @@ def test_state_cleared_by_hand_is_recreated_like_torch(device):
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2)), (FusedMomentum, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-3, weight_decay=0.1)),
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else "")
 def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cls, options, unscale_first, device):
     model, reference = make_pair(device)
@@ -146,7 +148,7 @@ def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cl
         if step not in (2, 5):  # gradients are left unscaled, as torch's unscale_ leaves them
             for mine, other in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(mine.grad, other.grad, rtol=1e-6, atol=0)
-    if fused_cls in (FusedAdam, FusedAdagrad):
+    if fused_cls in (FusedAdam, FusedAdagrad, FusedLAMB):
         assert float(fused.state[model.first.weight]["step"]) == 6  # two skipped
 
 
@@ -157,7 +159,8 @@ def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cl
     (FusedSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.1, initial_accumulator_value=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-3, weight_decay=0.1)),
-], ids=["adamw", "sgd", "adagrad", "lion"])
+    (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
+], ids=["adamw", "sgd", "adagrad", "lion", "lamb"])
 def test_master_weights_follow_a_float32_run_and_round_the_parameters(fused_cls, torch_cls, options, dtype, backend, device):
     model = make_pair(device)[0].to(dtype)
     reference = make_pair(device)[1].to(torch.float32)

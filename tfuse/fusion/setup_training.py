@@ -25,6 +25,7 @@ OPTIMIZERS = {
     "momentum": ("FusedMomentum", "SGD"),
     "adagrad": ("FusedAdagrad", "Adagrad"),
     "lion": ("FusedLion", None),
+    "lamb": ("FusedLAMB", None),
 }
 
 
@@ -85,8 +86,8 @@ def setup(
 
     Args:
         model: the model, on its device.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``, or a
-            tfuse fused optimizer class.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``, ``"lamb"``,
+            or a tfuse fused optimizer class.
         strategy: what to fuse and how to train.
         example_inputs: a tensor or tuple of the forward's inputs (see :func:`fuse_model`).
         process_group: the data-parallel group (None: the default group, when initialised).

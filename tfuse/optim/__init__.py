@@ -1,7 +1,7 @@
 """Fused optimizers over flat buffers, and gradient clipping over them.
 
 ``FusedSGD``, ``FusedMomentum``, ``FusedAdam``, ``FusedAdamW`` and
-``FusedAdagrad`` (and ``FusedLion``, which torch lacks) are
+``FusedAdagrad`` (and ``FusedLion`` and ``FusedLAMB``, which torch lacks) are
 ``torch.optim.Optimizer`` subclasses with torch's constructors (positional
 order, ``foreach``/``fused``/``capturable``/``differentiable`` included:
 accepted where tfuse can honour them, refused with a ValueError naming them
@@ -24,6 +24,7 @@ from tfuse.optim._flat_optimizer import FlatOptimizer
 from tfuse.optim.adagrad import FusedAdagrad
 from tfuse.optim.adam import FusedAdam, FusedAdamW
 from tfuse.optim.clip import clip_grad_norm_
+from tfuse.optim.lamb import FusedLAMB
 from tfuse.optim.lion import FusedLion
 from tfuse.optim.sgd import FusedMomentum, FusedSGD
 
@@ -32,6 +33,7 @@ __all__ = [
     "FusedAdagrad",
     "FusedAdam",
     "FusedAdamW",
+    "FusedLAMB",
     "FusedLion",
     "FusedMomentum",
     "FusedSGD",

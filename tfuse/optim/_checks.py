@@ -60,9 +60,7 @@ def check_implementation_flags(name: str, torch_name: str, group: dict[str, Any]
             f"torch.no_grad), so no gradient flows through step(). Use {torch_name}(..., differentiable=True) to "
             "differentiate through optimizer steps."
         )
-    capturable = group.get("capturable", False)
-    if not isinstance(capturable, bool):
-        raise TypeError(f"{name}: capturable must be a bool, got {capturable!r}")
+    check_capturable_flag(name, group.get("capturable", False))
 
 
 def as_float(value: float | torch.Tensor) -> float:
@@ -80,3 +78,19 @@ def check_lr(lr: Any) -> None:
 def check_non_negative(value: Any, what: str) -> None:
     if not value >= 0.0:
         raise ValueError(f"Invalid {what} value: {value}")
+
+
+def check_capturable_flag(owner: str, capturable: Any) -> None:
+    """``capturable`` as an argument of an optimizer whose torch counterpart has none (a bool)."""
+    if not isinstance(capturable, bool):
+        raise TypeError(f"{owner}: capturable must be a bool, got {capturable!r}")
+
+
+def check_betas(owner: str, betas: Any, *, one_allowed: bool = False) -> None:
+    """A pair (beta1, beta2), each in [0, 1) (or [0, 1] with ``one_allowed``), in torch's words."""
+    if len(betas) != 2:
+        raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        value = as_float(beta)
+        if not (0.0 <= value <= 1.0 if one_allowed else 0.0 <= value < 1.0):
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")

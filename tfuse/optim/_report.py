@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 def route(optimizer: FlatOptimizer, span: SpanStepper, backend: Backend) -> str:
     """How ``backend`` updates ``span`` each step, in words."""
     if backend is Backend.TRITON:
-        return f"the Triton kernel {optimizer.family.kernel_name} (one launch per flat buffer)"
+        count = optimizer.family.launches_per_buffer
+        if count == 1:
+            return f"the Triton kernel {optimizer.family.kernel_name} (one launch per flat buffer)"
+        return f"the Triton kernels {optimizer.family.kernel_name} ({count} launches per flat buffer)"
     family = optimizer.family
     kernels = sorted({optimizer.update_row(group, 1, True).torch_kernel for group in optimizer.param_groups})
     routes = []
@@ -65,7 +68,7 @@ def service(optimizer: FlatOptimizer) -> str:
         except RuntimeError as error:  # the Triton backend forced where it cannot run: step() raises this
             routes.setdefault(f"no backend ({error})", []).append(span)
             continue
-        launches += backend is Backend.TRITON
+        launches += optimizer.family.launches_per_buffer if backend is Backend.TRITON else 0
         routes.setdefault(route(optimizer, span, backend), []).append(span)
     parts = [
         text if len(routes) == 1 else f"{', '.join(f'{s.device} {dtype_name(s.dtype)}' for s in spans)} by {text}"

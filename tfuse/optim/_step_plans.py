@@ -36,15 +36,17 @@ class StepPlan:
         self.tables: collections.OrderedDict[Any, RunTable] = collections.OrderedDict()
         self.device_setups: dict[Any, DeviceSetup] = {}
 
-    def table(self, member_rows: tuple[int, ...], align: int, pad: bool) -> RunTable | None:
+    def table(self, member_rows: tuple[int, ...], align: int, pad: bool, separate: bool = False) -> RunTable | None:
         """The runs of a step: maximal ranges of adjacent members that share a row (None: no element to update).
+
+        ``separate``: one run per member, never merged (an update with per-parameter norms: LAMB).
 
         ``pad``: runs may cross the zero padding between neighbours (never
         another parameter) and end rounded up into it, when the update keeps
         zeros at zero: fewer, aligned runs. Members with no element in the
         span (a shard owner's view of a parameter outside its shard) get no run.
         """
-        key = (member_rows, pad)
+        key = (member_rows, pad, separate)
         if key in self.tables:
             self.tables.move_to_end(key)
             return self.tables[key]
@@ -54,7 +56,7 @@ class StepPlan:
             if member.end <= member.start:
                 continue
             end = -(-member.end // align) * align if pad else member.end
-            if pad and runs and runs[-1][2] == row and member.index == previous + 1:
+            if pad and not separate and runs and runs[-1][2] == row and member.index == previous + 1:
                 runs[-1] = (runs[-1][0], end, row)
             else:
                 runs.append((member.start, end, row))

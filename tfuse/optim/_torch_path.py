@@ -55,6 +55,9 @@ def _torch_update(
     are upcast at a time; the parameters, the low-precision state and, under AMP,
     the unscaled gradients are written back rounded to nearest even.
     """
+    if family.per_parameter:
+        family.torch_update(buffers, table, rows, grad_scale, found_inf)
+        return
     param, grad, state, master = buffers.param, buffers.grad, buffers.state, buffers.master
     scale = None if grad_scale is None else grad_scale.to(torch.float32)
     skip = None if found_inf is None else found_inf.to(torch.float32)

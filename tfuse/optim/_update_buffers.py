@@ -83,6 +83,7 @@ class RunTable:
         self.start_align = start_align
         self.end_align = end_align
         self._blocks: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._runs_of_blocks: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._spans: dict[int, list[tuple[int, int]]] | None = None
 
     @property
@@ -105,6 +106,27 @@ class RunTable:
                 rows.extend([row] * len(block_starts))
             packed = torch.tensor([starts, ends, rows], dtype=torch.int64).to(device)
             table = self._blocks[device] = (packed[0], packed[1], packed[2])
+        return table
+
+    def runs_of_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each run's blocks are in :meth:`blocks` (for per-run reductions, one run per parameter): each
+        run's first block and block count, each run's row, and each block's run (int64, on ``device``)."""
+        table = self._runs_of_blocks.get(device)
+        if table is None:
+            first, counts, rows, block_runs = [], [], [], []
+            for index, (start, end, row) in enumerate(self.runs):
+                count = len(range(start, end, BLOCK))
+                first.append(len(block_runs))
+                counts.append(count)
+                rows.append(row)
+                block_runs.extend([index] * count)
+            per_run = torch.tensor([first, counts, rows], dtype=torch.int64).to(device)
+            table = self._runs_of_blocks[device] = (
+                per_run[0],
+                per_run[1],
+                per_run[2],
+                torch.tensor(block_runs, dtype=torch.int64).to(device),
+            )
         return table
 
     def spans_by_row(self) -> dict[int, list[tuple[int, int]]]:

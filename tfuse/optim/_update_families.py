@@ -70,6 +70,14 @@ class UpdateFamily:
     # Whether the PyTorch path may run float16/bfloat16 buffers natively (after the probe of torch's kernel);
     # False: always on float32 copies (a family written with torch's foreach ops, which round each intermediate).
     native_low_precision: ClassVar[bool] = True
+    # Whether the update needs each parameter's elements in runs of their own (per-parameter norms: LAMB). Such
+    # a family's PyTorch path is its torch_update, over whole runs; ShardedOptimizer refuses it.
+    per_parameter: ClassVar[bool] = False
+    launches_per_buffer: ClassVar[int] = 1  # Triton launches of one update of a flat buffer
+
+    def torch_update(self, buffers: FlatBuffers, table: RunTable, rows: Any, grad_scale, found_inf) -> None:
+        """The PyTorch path of a per-parameter family, over whole runs (the others go through torch_call)."""
+        raise NotImplementedError
 
     def torch_words(self, kernel: str) -> str:
         """The PyTorch path's torch call ``kernel`` (a row's ``torch_kernel``), in describe()'s words."""

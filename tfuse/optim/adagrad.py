@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from tfuse.optim._adagrad_family import ADAGRAD, AdagradStep
-from tfuse.optim._checks import as_float, check_lr, check_non_negative
+from tfuse.optim._checks import as_float, check_capturable_flag, check_lr, check_non_negative
 from tfuse.optim._flat_optimizer import FlatOptimizer
 
 
@@ -86,8 +86,7 @@ class FusedAdagrad(FlatOptimizer):
             fused=fused,
         )
         self.check_group(defaults)
-        if not isinstance(capturable, bool):
-            raise TypeError(f"{type(self).__name__}: capturable must be a bool, got {capturable!r}")
+        check_capturable_flag(type(self).__name__, capturable)
         super().__init__(params, defaults, master_weights, capturable=capturable)
 
     def check_group(self, group: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tfuse.optim._checks import as_float, check_lr, check_non_negative
+from tfuse.optim._checks import as_float, check_betas, check_capturable_flag, check_lr, check_non_negative
 from tfuse.optim._flat_optimizer import FlatOptimizer
 from tfuse.optim._lion_family import LION, LionStep
 
@@ -76,8 +76,7 @@ class FusedLion(FlatOptimizer):
         master_weights: bool = False,
         capturable: bool = False,
     ) -> None:
-        if not isinstance(capturable, bool):
-            raise TypeError(f"{type(self).__name__}: capturable must be a bool, got {capturable!r}")
+        check_capturable_flag(type(self).__name__, capturable)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -92,12 +91,7 @@ class FusedLion(FlatOptimizer):
 
     def check_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
-        betas = group["betas"]
-        if len(betas) != 2:
-            raise ValueError(f"{type(self).__name__}: betas must be a pair (beta1, beta2), got {betas!r}")
-        for index, beta in enumerate(betas):
-            if not 0.0 <= as_float(beta) <= 1.0:
-                raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+        check_betas(type(self).__name__, group["betas"], one_allowed=True)
         check_non_negative(group["weight_decay"], "weight_decay")
 
     @staticmethod

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tfuse.optim._checks import as_float, check_lr, check_non_negative
+from tfuse.optim._checks import as_float, check_capturable_flag, check_lr, check_non_negative
 from tfuse.optim._flat_optimizer import FlatOptimizer
 from tfuse.optim._update import SGD, SGDStep
 
@@ -89,8 +89,7 @@ class FusedSGD(FlatOptimizer):
             fused=fused,
         )
         self.check_group(defaults)
-        if not isinstance(capturable, bool):
-            raise TypeError(f"{type(self).__name__}: capturable must be a bool, got {capturable!r}")
+        check_capturable_flag(type(self).__name__, capturable)
         # torch.optim.SGD has no capturable switch (its groups and state dicts have no such key): an attribute here.
         super().__init__(params, defaults, master_weights, capturable=capturable)
 

@@ -217,7 +217,7 @@ class SpanStepper:
             if self.master_weights:
                 self.refresh_masters(plan.members)
             rows, member_rows = self._rows(plan, counts, fresh, groups)
-            table = plan.table(member_rows, self.align, self.rule.pads_stay_zero())
+            table = plan.table(member_rows, self.align, self.rule.pads_stay_zero(), self.rule.family.per_parameter)
             if table is not None:
                 buffers = self.state.buffers_for_update()
                 update(self.rule.family, buffers, table, rows, grad_scale=grad_scale, backend=backend)
@@ -269,7 +269,8 @@ class SpanStepper:
                 )
                 for hyper, m in zip(setup.hypers, plan.members)
             ]
-        table = plan.table(tuple(range(len(plan.members))), self.align, self.rule.pads_stay_zero())
+        per_parameter = self.rule.family.per_parameter
+        table = plan.table(tuple(range(len(plan.members))), self.align, self.rule.pads_stay_zero(), per_parameter)
         if table is None:
             return
         update(

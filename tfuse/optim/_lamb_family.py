@@ -1,0 +1,234 @@
+"""LAMB's update over flat buffers: its row (:class:`LambStep`) and its family (:data:`LAMB`).
+
+LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2) per parameter::
+
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * p
+    p -= lr * trust * u,    trust = ||p|| / ||u||   (1 where a norm is 0)
+
+The norms are per parameter, so each parameter is a run of its own
+(``per_parameter``) and the Triton path takes three launches per flat buffer
+(``kernels/trust.py``: moments, direction and partial sums, the trust ratio
+of each parameter, the update), the direction kept between them in a scratch
+buffer of the accumulator dtype (4 bytes per float32 parameter, freed after
+the step). The PyTorch path runs torch's foreach ops over whole
+parameters (float32 for float16/bfloat16 buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tfuse import kernels
+from tfuse._launch import launch
+from tfuse.optim._update_buffers import FlatBuffers, RunTable
+from tfuse.optim._update_families import UpdateFamily
+
+_TRUST_CHUNK = 128  # partial sums a trust-ratio program adds per iteration
+# Columns of the coefficient row (kernels/trust.py's LAMB_*).
+_LAMB_LR, _LAMB_BETA1, _LAMB_BETA2, _LAMB_BC1, _LAMB_BC2_SQRT = 0, 1, 3, 7, 8
+_LAMB_ADAPT, _LAMB_TRUST_CLIP, _LAMB_ROW = 10, 11, 12
+_LAMB_BIAS_CORRECTION = 12  # an extra column of the static table on capturable steps
+
+
+@dataclasses.dataclass(frozen=True)
+class LambStep:
+    """What one LAMB update does: a parameter group's hyperparameters at one step count (the step taken)."""
+
+    lr: float | torch.Tensor  # a tensor on capturable steps (read on the device)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    step: int | torch.Tensor = 1  # a 0-dim tensor on capturable steps
+    bias_correction: bool = True
+    adapt: bool = True  # scale by the trust ratio (False: a plain Adam-like step with lr)
+    trust_clip: bool = False  # trust ratio at most 1
+    maximize: bool = False
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    torch_kernel = "_foreach_norm"  # the op the PyTorch path is named by (with torch's other foreach ops)
+
+    def corrections(self) -> tuple[float, float]:
+        """(1 - beta1**step, sqrt(1 - beta2**step)), or (1, 1) without bias correction."""
+        if not self.bias_correction:
+            return 1.0, 1.0
+        return 1 - self.beta1**self.step, (1 - self.beta2**self.step) ** 0.5
+
+    def coefficients(self) -> list[float]:
+        """The kernel's coefficient row (columns LAMB_* of kernels/trust.py), computed in float64."""
+        bc1, bc2_sqrt = self.corrections()
+        return [
+            self.lr,
+            self.beta1,
+            1.0 - self.beta1,
+            self.beta2,
+            1.0 - self.beta2,
+            self.eps,
+            self.weight_decay,
+            bc1,
+            bc2_sqrt,
+            -1.0 if self.maximize else 1.0,
+            1.0 if self.adapt else 0.0,
+            1.0 if self.trust_clip else 0.0,
+        ]
+
+    def static_coefficients(self) -> list[float]:
+        """The row a capturable step starts from (lr 0, step 1), and the bias-correction switch."""
+        row = dataclasses.replace(self, lr=0.0, step=1).coefficients()
+        return [*row, 1.0 if self.bias_correction else 0.0]
+
+
+class _LambFamily(UpdateFamily):
+    name = "lamb"
+    kernel_name = "_lamb_moments_kernel, _trust_ratio_kernel and _lamb_update_kernel"
+    uses_step = True
+    native_low_precision = False
+    per_parameter = True
+    launches_per_buffer = 3
+
+    def required_state(self, group):
+        return {"step", "exp_avg", "exp_avg_sq"}
+
+    def launch(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf, meta) -> None:
+        param, device = buffers.param, buffers.param.device
+        starts, ends, block_rows = table.blocks(device)
+        run_first, run_blocks, run_rows, block_runs = table.runs_of_blocks(device)
+        master = param if buffers.master is None else buffers.master
+        exp_avg, exp_avg_sq = buffers.state["exp_avg"], buffers.state["exp_avg_sq"]
+        acc = torch.float64 if param.dtype == torch.float64 else torch.float32
+        partials = torch.empty(2 * starts.numel(), dtype=acc, device=device)
+        direction = torch.empty(param.numel(), dtype=acc, device=device)  # u between the first and last launch
+        scaled_lr = torch.empty(run_first.numel(), dtype=acc, device=device)
+        skip = rows if found_inf is None else found_inf
+        grid = (starts.numel(),)
+        launch(
+            kernels._lamb_moments_kernel,
+            grid,
+            (
+                param,
+                buffers.grad,
+                exp_avg,
+                exp_avg_sq,
+                master,
+                starts,
+                ends,
+                block_rows,
+                rows,
+                rows if grad_scale is None else grad_scale,
+                skip,
+                partials,
+                direction,
+            ),
+            meta,
+            device,
+        )
+        trust_meta = dict(
+            ROW=_LAMB_ROW, LR=_LAMB_LR, ADAPT=_LAMB_ADAPT, TRUST_CLIP=_LAMB_TRUST_CLIP, CHUNK=_TRUST_CHUNK
+        )
+        launch(
+            kernels._trust_ratio_kernel,
+            (run_first.numel(),),
+            (partials, run_first, run_blocks, run_rows, rows, scaled_lr),
+            trust_meta,
+            device,
+        )
+        update_meta = {k: v for k, v in meta.items() if k != "GRAD_SCALE"}
+        launch(
+            kernels._lamb_update_kernel,
+            grid,
+            (param, master, direction, starts, ends, block_rows, rows, skip, scaled_lr, block_runs),
+            update_meta,
+            device,
+        )
+
+    def torch_update(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf) -> None:
+        # Whole parameters (runs), in float32 for float16/bfloat16 (or on the masters), torch's foreach ops.
+        by_row: dict[int, list[tuple[int, int]]] = {}
+        for start, end, row in table.runs:
+            by_row.setdefault(row, []).append((start, end))
+        for row, spans in by_row.items():
+            _lamb_torch(rows[row], buffers, spans, grad_scale, found_inf)
+
+    def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
+        raise NotImplementedError("LAMB's PyTorch path is torch_update (whole parameters)")
+
+    def torch_words(self, kernel: str) -> str:
+        return "torch's foreach ops (_foreach_norm for the trust ratios, elementwise arithmetic)"
+
+    def device_coefficients(self, static, lr, steps):
+        table = static.clone()
+        steps = steps.to(torch.float64)
+        corrected = static[:, _LAMB_BIAS_CORRECTION] != 0
+        table[:, _LAMB_LR] = lr
+        bc1 = 1 - torch.pow(static[:, _LAMB_BETA1], steps)
+        bc2_sqrt = torch.sqrt(1 - torch.pow(static[:, _LAMB_BETA2], steps))
+        table[:, _LAMB_BC1] = torch.where(corrected, bc1, torch.ones_like(bc1))
+        table[:, _LAMB_BC2_SQRT] = torch.where(corrected, bc2_sqrt, torch.ones_like(bc2_sqrt))
+        return table[:, :_LAMB_BIAS_CORRECTION].contiguous()
+
+    def probe_sequences(self, kernel: str) -> list[list[Any]]:
+        return []  # never probed: low precision always goes through float32 (native_low_precision)
+
+
+def _lamb_torch(hyper: LambStep, buffers: FlatBuffers, spans, grad_scale, found_inf) -> None:
+    """One row's parameters (whole runs) on the PyTorch path: out of place, then written (found_inf: unchanged)."""
+    low = buffers.param.dtype in (torch.float16, torch.bfloat16)
+    source = buffers.master if buffers.master is not None else buffers.param
+
+    def views(tensor):
+        return [tensor[s:e].float() if low and tensor.dtype != torch.float32 else tensor[s:e] for s, e in spans]
+
+    params, grads = views(source), views(buffers.grad)
+    exp_avgs, exp_avg_sqs = views(buffers.state["exp_avg"]), views(buffers.state["exp_avg_sq"])
+    if grad_scale is not None:
+        grads = torch._foreach_div(grads, grad_scale.to(grads[0].dtype))
+    signed = torch._foreach_neg(grads) if hyper.maximize else grads
+    new_exp_avgs = torch._foreach_mul(exp_avgs, hyper.beta1)
+    torch._foreach_add_(new_exp_avgs, signed, alpha=1.0 - hyper.beta1)
+    new_exp_avg_sqs = torch._foreach_mul(exp_avg_sqs, hyper.beta2)
+    torch._foreach_addcmul_(new_exp_avg_sqs, signed, signed, value=1.0 - hyper.beta2)
+    bc1, bc2_sqrt = _corrections(hyper)
+    denominators = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(new_exp_avg_sqs), bc2_sqrt), hyper.eps)
+    directions = torch._foreach_div(torch._foreach_div(new_exp_avgs, bc1), denominators)
+    if hyper.weight_decay != 0:
+        torch._foreach_add_(directions, params, alpha=hyper.weight_decay)
+    if hyper.adapt:
+        w_norms = torch.stack(torch._foreach_norm(params))
+        u_norms = torch.stack(torch._foreach_norm(directions))
+        ratios = torch.where((w_norms > 0) & (u_norms > 0), w_norms / u_norms, torch.ones_like(w_norms))
+        if hyper.trust_clip:
+            ratios = ratios.clamp(max=1.0)
+        for direction, scale in zip(directions, (ratios * hyper.lr).unbind()):
+            direction.mul_(scale)  # (a device scalar each: no host read)
+    else:
+        torch._foreach_mul_(directions, hyper.lr)
+    new_params = torch._foreach_sub(params, directions)
+    targets = [
+        (source, params, new_params),
+        (buffers.state["exp_avg"], exp_avgs, new_exp_avgs),
+        (buffers.state["exp_avg_sq"], exp_avg_sqs, new_exp_avg_sqs),
+    ]
+    if grad_scale is not None:
+        targets.append((buffers.grad, views(buffers.grad), grads))
+    for flat, olds, news in targets:
+        for (s, e), old, new in zip(spans, olds, news):
+            value = new if found_inf is None else torch.where(found_inf != 0, old, new)
+            flat[s:e].copy_(value)
+    if buffers.master is not None:  # the parameters, rounded from the masters
+        for s, e in spans:
+            buffers.param[s:e].copy_(buffers.master[s:e])
+
+
+def _corrections(hyper: LambStep) -> tuple[Any, Any]:
+    """The bias corrections of a row whose step may be a device tensor (capturable)."""
+    if not hyper.bias_correction:
+        return 1.0, 1.0
+    step = hyper.step.to(torch.float64) if isinstance(hyper.step, torch.Tensor) else hyper.step
+    return 1 - hyper.beta1**step, (1 - hyper.beta2**step) ** 0.5
+
+
+LAMB = _LambFamily()
