@@ -15,7 +15,8 @@ Run from the repository root::
     python -m benchmarks.micro --dry                   # CPU: tiny shapes, PyTorch path; checks the script
     python -m benchmarks.micro --render micro.json --out benchmarks/results/micro-h100.md
 
-Writes ``$OUT/micro.json`` (or ``--json PATH``); exits 1 if a correctness check fails.
+Writes ``$OUT/micro.json`` (or ``--json PATH``; with neither, into a new temporary folder, named in the
+output); exits 1 if a correctness check fails.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -271,8 +273,20 @@ def _lamb_reference_step(params: list[torch.nn.Parameter], lr: float, weight_dec
             p.sub_(u * (lr * ratio))
 
 
+def _lars_reference_step(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> None:
+    """LARS (You et al. 2017, Algorithm 1; MLPerf's form), momentum 0.9, eta 0.001, per tensor."""
+    with torch.no_grad():
+        for p in params:
+            velocity = p.__dict__.setdefault("_lars_v", torch.zeros_like(p))
+            w_norm, g_norm = p.norm(), p.grad.norm()
+            ratio = torch.where((w_norm > 0) & (g_norm > 0), 0.001 * w_norm / (g_norm + weight_decay * w_norm),
+                                torch.ones_like(w_norm))
+            velocity.mul_(0.9).add_((p.grad + weight_decay * p) * (lr * ratio))
+            p.sub_(velocity)
+
+
 def fam_optim(run: Run) -> None:
-    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLion, FusedMomentum
+    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
 
     # name -> (tfuse optimizer, torch.optim class and options or None, state tensors per parameter)
     algorithms = {
@@ -282,9 +296,11 @@ def fam_optim(run: Run) -> None:
         "adagrad": (lambda ps, m: FusedAdagrad(ps, lr=1e-3, master_weights=m), (torch.optim.Adagrad, dict(lr=1e-3)), 1),
         "lion": (lambda ps, m: FusedLion(ps, lr=1e-4, weight_decay=0.1, master_weights=m), None, 1),
         "lamb": (lambda ps, m: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, master_weights=m), None, 2),
+        "lars": (lambda ps, m: FusedLARS(ps, lr=1.0, weight_decay=5e-5, master_weights=m), None, 1),
     }
     cases = (("adam", torch.float32, False), ("momentum", torch.float32, False), ("adam", torch.bfloat16, True),
-             ("adagrad", torch.float32, False), ("lion", torch.float32, False), ("lamb", torch.float32, False))
+             ("adagrad", torch.float32, False), ("lion", torch.float32, False), ("lamb", torch.float32, False),
+             ("lars", torch.float32, False))
     for model, shapes in _model_shapes(run):
         for algo, dtype, master in cases:
             make, torch_class, states = algorithms[algo]
@@ -301,8 +317,10 @@ def fam_optim(run: Run) -> None:
                 opt.step()
                 if ref_opt is None and algo == "lion":
                     _lion_reference_step(reference, 1e-4, 0.1)
-                elif ref_opt is None:
+                elif ref_opt is None and algo == "lamb":
                     _lamb_reference_step(reference, 1e-3, 0.01)
+                elif ref_opt is None:
+                    _lars_reference_step(reference, 1.0, 5e-5)
                 else:
                     ref_opt.step()
             err = rel_err(torch.cat([p.detach().float().flatten() for p in params]),
@@ -533,9 +551,12 @@ def main(argv: Iterable[str] | None = None) -> int:
             torch.cuda.empty_cache()
         print(f"# {family} done in {time.perf_counter() - start:.1f}s", flush=True)
     data = dict(head=head, copy_gbps=run.copy_gbps, results=run.rows)
-    path = args.json or Path(os.environ.get("OUT", ".")) / "micro.json"
+    # Without --json or $OUT: a new folder, so that a run never drops files into the working directory.
+    folder = os.environ.get("OUT") or tempfile.mkdtemp(prefix="tfuse-micro-")
+    path = args.json or Path(folder) / "micro.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
+    print(f"# wrote {path}", flush=True)
     print()
     print(render_markdown(data))
     failed = [r for r in run.rows if r.get("ok") is False or "error" in r]

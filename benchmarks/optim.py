@@ -7,10 +7,10 @@ The minimum traffic of an update is what each element must read and write
 once: Adam float32 reads param, grad, exp_avg, exp_avg_sq and writes param,
 exp_avg, exp_avg_sq (28 bytes per parameter); SGD with momentum reads param,
 grad, momentum buffer and writes param and buffer (20 bytes); Adagrad (param,
-grad, sum) and Lion (param, grad, exp_avg) likewise 20 bytes, LAMB as Adam
-28 bytes (its two passes move 40: the update direction's norm is needed before
-any element is updated). torch has no Lion and no LAMB: their rows have the
-tfuse column only.
+grad, sum), Lion (param, grad, exp_avg) and LARS (param, grad, velocity)
+likewise 20 bytes, LAMB as Adam 28 bytes (LAMB's two passes move 40 and
+LARS's 28: the norms are needed before any element is updated). torch has no
+Lion, LAMB or LARS: their rows have the tfuse column only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton.testing
 
 import tfuse
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLion, FusedMomentum
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
 
 from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, count_aten_ops, finish_row, grid
 
@@ -62,10 +62,11 @@ def tiny_shapes() -> list[tuple[int, ...]]:
 MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes, "tiny": tiny_shapes,
 }
-BYTES_PER_PARAM = {"adam": 28, "momentum": 20, "adagrad": 20, "lion": 20, "lamb": 28}
-ALGORITHMS = {"adam": "Adam", "momentum": "SGD momentum", "adagrad": "Adagrad", "lion": "Lion", "lamb": "LAMB"}
+BYTES_PER_PARAM = {"adam": 28, "momentum": 20, "adagrad": 20, "lion": 20, "lamb": 28, "lars": 20}
+ALGORITHMS = {"adam": "Adam", "momentum": "SGD momentum", "adagrad": "Adagrad", "lion": "Lion", "lamb": "LAMB",
+              "lars": "LARS"}
 PROVIDERS = ("tfuse", "for-loop", "foreach", "fused")
-TORCH_LESS = {"lion", "lamb"}  # no torch.optim implementation to time against
+TORCH_LESS = {"lion", "lamb", "lars"}  # no torch.optim implementation to time against
 
 
 def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
@@ -92,6 +93,7 @@ def _make(provider: str, algorithm: str, params: list[torch.nn.Parameter]) -> to
         fused = {"adam": lambda: FusedAdam(params, lr=1e-4), "adagrad": lambda: FusedAdagrad(params, lr=1e-4),
                  "lion": lambda: FusedLion(params, lr=1e-5, weight_decay=0.1),
                  "lamb": lambda: FusedLAMB(params, lr=1e-3, weight_decay=0.01),
+                 "lars": lambda: FusedLARS(params, lr=1.0, weight_decay=5e-5),
                  "momentum": lambda: FusedMomentum(params, lr=1e-4, momentum=0.9)}
         return fused[algorithm]()
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[provider]
@@ -157,14 +159,14 @@ def run(ctx: Context) -> Report:
     label = "tfuse" if on_gpu else "tfuse (PyTorch path)"
     notes = [
         copy_note(ctx),
-        "GB/s = minimum bytes / median step time: Adam and LAMB float32 28 B/parameter, SGD momentum, Adagrad "
-        "and Lion 20 B/parameter (each element read and written once; LAMB's two passes move 40).",
+        "GB/s = minimum bytes / median step time: Adam and LAMB float32 28 B/parameter, SGD momentum, Adagrad, "
+        "Lion and LARS 20 B/parameter (each element read and written once; LAMB's two passes move 40, LARS's 28).",
         "Synthetic float32 parameters with the shapes of the named model, every one with a gradient; "
         "lr 1e-4, Adam betas (0.9, 0.999), SGD momentum 0.9; Lion lr 1e-5, weight decay 0.1, betas (0.9, 0.99); "
-        "LAMB lr 1e-3, weight decay 0.01.",
-        "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB over the parameters coalesced "
-        "into one flat buffer; torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, foreach=True "
-        "and fused=True (torch has no Lion and no LAMB).",
+        "LAMB lr 1e-3, weight decay 0.01; LARS lr 1, weight decay 5e-5, momentum 0.9.",
+        "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB / FusedLARS over the parameters "
+        "coalesced into one flat buffer; torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, "
+        "foreach=True and fused=True (torch has no Lion, LAMB or LARS).",
         "ops = ATen operator calls per torch step (each is at least one kernel launch on a GPU); "
         "launches = Triton launches per tfuse step.",
     ]
@@ -178,9 +180,9 @@ def run(ctx: Context) -> Report:
     if not on_gpu:
         notes.append(
             "CPU run: the tfuse column times tfuse's PyTorch path (torch's fused CPU kernels over whole runs of "
-            "the flat buffers, no per-parameter work; Lion: torch's foreach ops over those runs; LAMB: torch's "
-            "foreach ops over whole parameters); it launches no "
-            "Triton kernel. Through the interpreter the Triton path launches one kernel (LAMB: three) per flat "
+            "the flat buffers, no per-parameter work; Lion: torch's foreach ops over those runs; LAMB and LARS: "
+            "torch's foreach ops over whole parameters); it launches no "
+            "Triton kernel. Through the interpreter the Triton path launches one kernel (LAMB, LARS: three) per flat "
             "buffer per step (tests/test_optim.py and tests/test_optim_api.py check it)."
         )
     columns = [
@@ -194,7 +196,7 @@ def run(ctx: Context) -> Report:
         Column("vs_fused", "vs fused=True", "{:.2f}x"), CHECK_COLUMN,
     ]
     return Report(
-        name=NAME, title="Optimizer step: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB vs torch.optim", notes=notes, columns=columns,
+        name=NAME, title="Optimizer step: tfuse's fused optimizers vs torch.optim", notes=notes, columns=columns,
         rows=rows, plot_panels="algorithm", plot_x="numel", plot_xlabel="parameters (elements)",
         plot_lines=[("tfuse_gbps", label), ("for-loop_gbps", "for-loop"), ("foreach_gbps", "foreach"),
                     ("fused_gbps", "fused=True"), ("copy_gbps", "copy (same bytes, at most 1 GiB)")],

@@ -54,6 +54,8 @@ _KERNELS = {
     "_lamb_moments_kernel": "trust",
     "_trust_ratio_kernel": "trust",
     "_lamb_update_kernel": "trust",
+    "_lars_norms_kernel": "trust",
+    "_lars_update_kernel": "trust",
 }
 #: The tile modes, re-exported from kernels/tiles.py as ``tl.constexpr``.
 _TILE_MODES = ("COL", "LINEAR", "ROW", "SCALAR", "STRIDED")

@@ -84,3 +84,43 @@ class ReferenceLAMB(torch.optim.Optimizer):
                         ratio = min(ratio, 1.0)
                 p.sub_(direction, alpha=lr * ratio)
         return loss
+
+
+class ReferenceLARS(torch.optim.Optimizer):
+    """LARS with momentum, You et al. 2017 ("Large Batch Training of Convolutional Networks"), Algorithm 1, per
+    tensor, in MLPerf's form: trust = eta ||p|| / (||g|| + wd ||p|| + eps) (1 where a norm is 0; groups without
+    weight decay not adapted unless ``always_adapt``), v = momentum v + lr trust (g + wd p) from v = 0, p -= v
+    (Nesterov: p -= momentum v + lr trust (g + wd p)). State ``momentum_buffer``."""
+
+    def __init__(self, params, lr=1.0, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0, *,
+                 nesterov=False, always_adapt=False, maximize=False, foreach=None, differentiable=False, fused=None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                                      always_adapt=always_adapt, maximize=maximize, foreach=foreach,
+                                      differentiable=differentiable, fused=fused))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum, decay = float(group["lr"]), group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if group["maximize"] else p.grad
+                ratio = 1.0
+                if decay != 0 or group["always_adapt"]:
+                    w_norm, g_norm = float(p.norm()), float(p.grad.norm())
+                    if w_norm > 0 and g_norm > 0:
+                        ratio = group["trust_coefficient"] * w_norm / (g_norm + decay * w_norm + group["eps"])
+                step = (grad + decay * p) * (lr * ratio)
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                velocity = state["momentum_buffer"]
+                velocity.mul_(momentum).add_(step)
+                p.sub_(velocity * momentum + step if group["nesterov"] else velocity)
+        return loss

@@ -18,8 +18,8 @@ import torch
 from dist_helpers import run_named
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
-from optim_references import ReferenceLAMB, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 
 BATCH = 3  # rows per rank
 STEPS = 4
@@ -33,6 +33,7 @@ FAMILIES = {
     "adagrad": (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.1)),
     "lion": (FusedLion, ReferenceLion, dict(lr=0.01, weight_decay=0.1)),
     "lamb": (FusedLAMB, ReferenceLAMB, dict(lr=0.01, weight_decay=0.1)),
+    "lars": (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01)),
 }
 
 

@@ -168,6 +168,8 @@ CASES = {
     "lion_bf16_master": optim_case(tfuse.optim.FusedLion, torch.bfloat16, master_weights=True),
     "lamb_fp32": optim_case(tfuse.optim.FusedLAMB, torch.float32, weight_decay=0.1),
     "lamb_bf16_master": optim_case(tfuse.optim.FusedLAMB, torch.bfloat16, master_weights=True),
+    "lars_fp32": optim_case(tfuse.optim.FusedLARS, torch.float32, weight_decay=5e-5, nesterov=True),
+    "lars_bf16_master": optim_case(tfuse.optim.FusedLARS, torch.bfloat16, master_weights=True),
 }
 
 # Every activation in every kernel family that applies one: each is a constexpr branch of the activation

@@ -469,8 +469,8 @@ def test_depthwise_benchmark(quick_run):
 
 def test_optim_benchmark(quick_run):
     table, rows = _table(quick_run, "optim")
-    assert {row["optimizer"] for row in rows} == {"Adam", "SGD momentum", "Adagrad", "Lion", "LAMB"}
-    torch_less = ("Lion", "LAMB")  # torch has neither: their torch columns are empty
+    assert {row["optimizer"] for row in rows} == {"Adam", "SGD momentum", "Adagrad", "Lion", "LAMB", "LARS"}
+    torch_less = ("Lion", "LAMB", "LARS")  # torch has none of these: their torch columns are empty
     with_torch = [row for row in rows if row["optimizer"] not in torch_less]
     assert all(row[key] != "-" for row in with_torch for key in ("loop ops", "foreach ops", "fused ops"))
     assert all(row[key] == "-" for row in rows if row["optimizer"] in torch_less for key in ("loop ops", "fused=True ms"))
@@ -479,7 +479,7 @@ def test_optim_benchmark(quick_run):
     if "(CPU)" in table:
         assert all(row["launches"] == "-" for row in rows)  # the PyTorch path launches no Triton kernel
     else:
-        assert all(row["launches"] == ("3" if row["optimizer"] == "LAMB" else "1") for row in rows)  # one buffer
+        assert all(row["launches"] == ("3" if row["optimizer"] in ("LAMB", "LARS") else "1") for row in rows)
 
 
 def test_allreduce_benchmark(quick_run):

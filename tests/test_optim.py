@@ -12,8 +12,8 @@ from optim_helpers import (
     run_side_by_side,
 )
 from tfuse.flat import FlatParams, flat_params_of
-from optim_references import ReferenceLAMB, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 
 CASES = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
@@ -38,6 +38,10 @@ CASES = [
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-4, weight_decay=0.0, always_adapt=True,
                                     trust_clip=True, bias_correction=False, maximize=True)),
+    (FusedLARS, ReferenceLARS, dict(lr=1.0, weight_decay=0.01, trust_coefficient=0.02)),
+    (FusedLARS, ReferenceLARS, dict(lr=0.5, momentum=0.8, weight_decay=0.1, trust_coefficient=0.01, eps=1e-3,
+                                    nesterov=True, maximize=True)),
+    (FusedLARS, ReferenceLARS, dict(lr=1.0, weight_decay=0.0, trust_coefficient=0.02, always_adapt=True)),
 ]
 
 
@@ -87,7 +91,7 @@ def test_trajectory_matches_torch(case, two_groups, dtype, backend, device):
             run_side_by_side(model, reference, fused, torch_opt, steps=steps, device=device, dtype=dtype)
     # The auxiliary head had no gradient on most odd steps (run_side_by_side
     # compared every step count with torch's); make sure that case happened.
-    if fused_cls in (FusedAdam, FusedAdamW, FusedAdagrad, FusedLAMB):
+    if fused_cls in (FusedAdam, FusedAdamW, FusedAdagrad, FusedLAMB):  # (the families that count steps)
         assert float(fused.state[model.aux.weight]["step"]) < float(fused.state[model.first.weight]["step"]) == steps
 
 

@@ -17,7 +17,7 @@ from torch import nn
 import tfuse
 from conftest import ON_CUDA
 from optim_helpers import backward, make_pair, run_side_by_side, saved
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_probe
 
 from helpers import run_command
@@ -223,13 +223,22 @@ def test_lambs_bad_arguments_are_refused_in_torchs_words(options, words):
     assert words in str(info.value)
 
 
+def test_lars_bad_arguments_are_refused_in_torchs_words():
+    for options, words in [(dict(lr=-1.0), "Invalid learning rate: -1.0"), (dict(momentum=-0.9), "Invalid momentum"),
+                           (dict(trust_coefficient=-1e-3), "Invalid trust_coefficient value: -0.001"),
+                           (dict(momentum=0.0, nesterov=True), "Nesterov momentum requires a momentum")]:
+        with pytest.raises(ValueError, match=words):
+            FusedLARS(nn.Linear(2, 2).parameters(), **options)
+
+
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedLARS], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_lamb_takes_three_launches_per_flat_buffer_and_says_so(backend, device):
+def test_lamb_and_lars_take_three_launches_per_flat_buffer_and_say_so(cls, backend, device):
     """Per-parameter trust ratios, whatever the number of parameters and groups: moments and partial sums, the
     ratios, the update; none on the PyTorch path."""
     model, _ = make_pair(device)
     extra = nn.Linear(3, 4).to(device=device, dtype=torch.float64)  # a second flat buffer
-    optimizer = FusedLAMB([{"params": model.parameters()}, {"params": extra.parameters(), "weight_decay": 0.0}])
+    optimizer = cls([{"params": model.parameters()}, {"params": extra.parameters(), "weight_decay": 0.0}])
     backward(model, torch.randn(4, 5, device=device), 0)
     extra(torch.randn(2, 3, device=device, dtype=torch.float64)).sum().backward()
     with tfuse.use_backend(backend):
@@ -237,7 +246,9 @@ def test_lamb_takes_three_launches_per_flat_buffer_and_says_so(backend, device):
         with tfuse.count_launches() as launches:
             optimizer.step()
     if backend == "triton":
-        assert launches.by_kernel == {"_lamb_moments_kernel": 2, "_trust_ratio_kernel": 2, "_lamb_update_kernel": 2}
+        first, last = ("_lamb_moments_kernel", "_lamb_update_kernel") if cls is FusedLAMB else (
+            "_lars_norms_kernel", "_lars_update_kernel")
+        assert launches.by_kernel == {first: 2, "_trust_ratio_kernel": 2, last: 2}
         assert "6 Triton launches per step" in text and "(3 launches per flat buffer)" in text
     else:
         assert launches.total == 0 and "PyTorch path (torch's foreach ops (_foreach_norm" in text

@@ -14,8 +14,8 @@ import torch
 import tfuse
 from optim_helpers import assert_same_state, backward, make_pair, run_side_by_side, saved
 from tfuse.flat import FlatParams, flat_params_of
-from optim_references import ReferenceLAMB, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 
 PAIRS = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
@@ -24,6 +24,7 @@ PAIRS = [
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2, weight_decay=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, trust_clip=True)),
+    (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01, nesterov=True)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05)),  # no state at all
     (FusedMomentum, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.2)),
 ]

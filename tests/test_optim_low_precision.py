@@ -10,8 +10,8 @@ from torch import nn
 
 import tfuse
 from optim_helpers import LOW_PRECISION, assert_rounded_from, float32_for_loop_reference, make_pair, run_low_precision_step_by_step
-from optim_references import ReferenceLAMB, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_path, _torch_probe, _update_buffers
 from tfuse.optim._update import native_low_precision_ok
 
@@ -25,6 +25,7 @@ ROUTE_CASES = [
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, maximize=True)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3, maximize=True)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, maximize=True)),
+    (FusedLARS, ReferenceLARS, dict(lr=1.0, weight_decay=0.01, trust_coefficient=0.02, maximize=True)),
 ]
 KERNELS = [(FusedSGD, "_fused_sgd_"), (FusedAdam, "_fused_adam_"), (FusedAdam, "_fused_adamw_")]
 

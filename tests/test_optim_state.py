@@ -8,8 +8,8 @@ from torch import nn
 
 import tfuse
 from optim_helpers import assert_same_params, assert_same_state, backward, make_pair, run_side_by_side, saved
-from optim_references import ReferenceLAMB, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 
 PAIRS = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
@@ -18,6 +18,7 @@ PAIRS = [
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2, weight_decay=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, trust_clip=True)),
+    (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01, nesterov=True)),
 ]
 
 
@@ -121,6 +122,7 @@ def test_state_cleared_by_hand_is_recreated_like_torch(device):
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-3, weight_decay=0.1)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01)),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else "")
 def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cls, options, unscale_first, device):
     model, reference = make_pair(device)
@@ -160,7 +162,8 @@ def test_grad_scaler_skips_inf_steps_and_unscales_like_torch(fused_cls, torch_cl
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.1, initial_accumulator_value=0.1)),
     (FusedLion, ReferenceLion, dict(lr=1e-3, weight_decay=0.1)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1)),
-], ids=["adamw", "sgd", "adagrad", "lion", "lamb"])
+    (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01)),
+], ids=["adamw", "sgd", "adagrad", "lion", "lamb", "lars"])
 def test_master_weights_follow_a_float32_run_and_round_the_parameters(fused_cls, torch_cls, options, dtype, backend, device):
     model = make_pair(device)[0].to(dtype)
     reference = make_pair(device)[1].to(torch.float32)

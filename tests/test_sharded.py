@@ -16,7 +16,7 @@ from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world,
 from sharded_scenarios import CLIP, OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
-from tfuse.optim import FusedAdam, FusedLAMB
+from tfuse.optim import FusedAdam, FusedLAMB, FusedLARS
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -265,8 +265,9 @@ def test_bad_arguments_are_refused_naming_them():
         ShardedOptimizer(layer.parameters(), FusedAdam, gather="gossip")
     with pytest.raises(ValueError, match="capturable=True is not supported"):
         ShardedOptimizer(layer.parameters(), FusedAdam, capturable=True)
-    with pytest.raises(ValueError, match="FusedLAMB scales each parameter by a ratio of its norms.*not supported yet"):
-        ShardedOptimizer(layer.parameters(), FusedLAMB)
+    for per_parameter in (FusedLAMB, FusedLARS):
+        with pytest.raises(ValueError, match=f"{per_parameter.__name__} scales each parameter by a ratio of its norms"):
+            ShardedOptimizer(layer.parameters(), per_parameter)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             ShardedOptimizer(layer.parameters(), FusedAdam)

@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "adagrad": ("FusedAdagrad", "Adagrad"),
     "lion": ("FusedLion", None),
     "lamb": ("FusedLAMB", None),
+    "lars": ("FusedLARS", None),
 }
 
 
@@ -86,8 +87,8 @@ def setup(
 
     Args:
         model: the model, on its device.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``, ``"lamb"``,
-            or a tfuse fused optimizer class.
+        optimizer: a name (``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``,
+            ``"lamb"``, ``"lars"``) or a tfuse fused optimizer class.
         strategy: what to fuse and how to train.
         example_inputs: a tensor or tuple of the forward's inputs (see :func:`fuse_model`).
         process_group: the data-parallel group (None: the default group, when initialised).

@@ -1,15 +1,16 @@
 """Fused optimizers over flat buffers, and gradient clipping over them.
 
 ``FusedSGD``, ``FusedMomentum``, ``FusedAdam``, ``FusedAdamW`` and
-``FusedAdagrad`` (and ``FusedLion`` and ``FusedLAMB``, which torch lacks) are
-``torch.optim.Optimizer`` subclasses with torch's constructors (positional
-order, ``foreach``/``fused``/``capturable``/``differentiable`` included:
+``FusedAdagrad`` are ``torch.optim.Optimizer`` subclasses with torch's
+constructors (positional order, ``foreach``/``fused``/``capturable``/``differentiable`` included:
 accepted where tfuse can honour them, refused with a ValueError naming them
 where not), semantics, state-dict format and copy/pickle behaviour. Each flat
 parameter buffer is updated by one Triton kernel launch per step, or, on CPU
 without Triton's interpreter, by torch's fused kernels over whole runs of the
 buffer (the PyTorch path); ``describe()``, ``repr()`` and the first step's
-INFO log say which.
+INFO log say which. ``FusedLion``, ``FusedLAMB`` and ``FusedLARS`` (which
+torch lacks) follow their papers, with the conventions their docstrings state;
+LAMB and LARS take three launches per buffer (per-parameter trust ratios).
 
 Inside, for every caller that updates flat buffers (these optimizers, a shard
 owner, an outer optimizer): :class:`~tfuse.optim.span.SpanStepper` (the span
@@ -25,6 +26,7 @@ from tfuse.optim.adagrad import FusedAdagrad
 from tfuse.optim.adam import FusedAdam, FusedAdamW
 from tfuse.optim.clip import clip_grad_norm_
 from tfuse.optim.lamb import FusedLAMB
+from tfuse.optim.lars import FusedLARS
 from tfuse.optim.lion import FusedLion
 from tfuse.optim.sgd import FusedMomentum, FusedSGD
 
@@ -34,6 +36,7 @@ __all__ = [
     "FusedAdam",
     "FusedAdamW",
     "FusedLAMB",
+    "FusedLARS",
     "FusedLion",
     "FusedMomentum",
     "FusedSGD",

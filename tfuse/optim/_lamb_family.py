@@ -24,10 +24,9 @@ import torch
 
 from tfuse import kernels
 from tfuse._launch import launch
+from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, trust_ratios
 from tfuse.optim._update_buffers import FlatBuffers, RunTable
-from tfuse.optim._update_families import UpdateFamily
 
-_TRUST_CHUNK = 128  # partial sums a trust-ratio program adds per iteration
 # Columns of the coefficient row (kernels/trust.py's LAMB_*).
 _LAMB_LR, _LAMB_BETA1, _LAMB_BETA2, _LAMB_BC1, _LAMB_BC2_SQRT = 0, 1, 3, 7, 8
 _LAMB_ADAPT, _LAMB_TRUST_CLIP, _LAMB_ROW = 10, 11, 12
@@ -82,13 +81,10 @@ class LambStep:
         return [*row, 1.0 if self.bias_correction else 0.0]
 
 
-class _LambFamily(UpdateFamily):
+class _LambFamily(PerParameterFamily):
     name = "lamb"
     kernel_name = "_lamb_moments_kernel, _trust_ratio_kernel and _lamb_update_kernel"
     uses_step = True
-    native_low_precision = False
-    per_parameter = True
-    launches_per_buffer = 3
 
     def required_state(self, group):
         return {"step", "exp_avg", "exp_avg_sq"}
@@ -96,13 +92,12 @@ class _LambFamily(UpdateFamily):
     def launch(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf, meta) -> None:
         param, device = buffers.param, buffers.param.device
         starts, ends, block_rows = table.blocks(device)
-        run_first, run_blocks, run_rows, block_runs = table.runs_of_blocks(device)
+        block_runs = table.runs_of_blocks(device)[3]
         master = param if buffers.master is None else buffers.master
         exp_avg, exp_avg_sq = buffers.state["exp_avg"], buffers.state["exp_avg_sq"]
         acc = torch.float64 if param.dtype == torch.float64 else torch.float32
         partials = torch.empty(2 * starts.numel(), dtype=acc, device=device)
         direction = torch.empty(param.numel(), dtype=acc, device=device)  # u between the first and last launch
-        scaled_lr = torch.empty(run_first.numel(), dtype=acc, device=device)
         skip = rows if found_inf is None else found_inf
         grid = (starts.numel(),)
         launch(
@@ -126,15 +121,19 @@ class _LambFamily(UpdateFamily):
             meta,
             device,
         )
-        trust_meta = dict(
-            ROW=_LAMB_ROW, LR=_LAMB_LR, ADAPT=_LAMB_ADAPT, TRUST_CLIP=_LAMB_TRUST_CLIP, CHUNK=_TRUST_CHUNK
-        )
-        launch(
-            kernels._trust_ratio_kernel,
-            (run_first.numel(),),
-            (partials, run_first, run_blocks, run_rows, rows, scaled_lr),
-            trust_meta,
+        scaled_lr = trust_ratios(
+            table,
+            partials,
+            rows,
             device,
+            ROW=_LAMB_ROW,
+            LR=_LAMB_LR,
+            ADAPT=_LAMB_ADAPT,
+            TRUST_CLIP=_LAMB_TRUST_CLIP,
+            LARS=False,
+            ETA=0,
+            WEIGHT_DECAY=0,
+            EPS=0,
         )
         update_meta = {k: v for k, v in meta.items() if k != "GRAD_SCALE"}
         launch(
@@ -144,20 +143,6 @@ class _LambFamily(UpdateFamily):
             update_meta,
             device,
         )
-
-    def torch_update(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf) -> None:
-        # Whole parameters (runs), in float32 for float16/bfloat16 (or on the masters), torch's foreach ops.
-        by_row: dict[int, list[tuple[int, int]]] = {}
-        for start, end, row in table.runs:
-            by_row.setdefault(row, []).append((start, end))
-        for row, spans in by_row.items():
-            _lamb_torch(rows[row], buffers, spans, grad_scale, found_inf)
-
-    def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):
-        raise NotImplementedError("LAMB's PyTorch path is torch_update (whole parameters)")
-
-    def torch_words(self, kernel: str) -> str:
-        return "torch's foreach ops (_foreach_norm for the trust ratios, elementwise arithmetic)"
 
     def device_coefficients(self, static, lr, steps):
         table = static.clone()
@@ -170,23 +155,16 @@ class _LambFamily(UpdateFamily):
         table[:, _LAMB_BC2_SQRT] = torch.where(corrected, bc2_sqrt, torch.ones_like(bc2_sqrt))
         return table[:, :_LAMB_BIAS_CORRECTION].contiguous()
 
-    def probe_sequences(self, kernel: str) -> list[list[Any]]:
-        return []  # never probed: low precision always goes through float32 (native_low_precision)
+    def torch_rows(self, hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> None:
+        _lamb_torch(hyper, whole, grad_scale, found_inf)
 
 
-def _lamb_torch(hyper: LambStep, buffers: FlatBuffers, spans, grad_scale, found_inf) -> None:
+def _lamb_torch(hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> None:
     """One row's parameters (whole runs) on the PyTorch path: out of place, then written (found_inf: unchanged)."""
-    low = buffers.param.dtype in (torch.float16, torch.bfloat16)
-    source = buffers.master if buffers.master is not None else buffers.param
-
-    def views(tensor):
-        return [tensor[s:e].float() if low and tensor.dtype != torch.float32 else tensor[s:e] for s, e in spans]
-
-    params, grads = views(source), views(buffers.grad)
-    exp_avgs, exp_avg_sqs = views(buffers.state["exp_avg"]), views(buffers.state["exp_avg_sq"])
-    if grad_scale is not None:
-        grads = torch._foreach_div(grads, grad_scale.to(grads[0].dtype))
-    signed = torch._foreach_neg(grads) if hyper.maximize else grads
+    state = whole.buffers.state
+    params, (grads, unscaled) = whole.views(whole.source), whole.unscaled_grads(grad_scale)
+    exp_avgs, exp_avg_sqs = whole.views(state["exp_avg"]), whole.views(state["exp_avg_sq"])
+    signed = torch._foreach_neg(unscaled) if hyper.maximize else unscaled
     new_exp_avgs = torch._foreach_mul(exp_avgs, hyper.beta1)
     torch._foreach_add_(new_exp_avgs, signed, alpha=1.0 - hyper.beta1)
     new_exp_avg_sqs = torch._foreach_mul(exp_avg_sqs, hyper.beta2)
@@ -206,21 +184,14 @@ def _lamb_torch(hyper: LambStep, buffers: FlatBuffers, spans, grad_scale, found_
             direction.mul_(scale)  # (a device scalar each: no host read)
     else:
         torch._foreach_mul_(directions, hyper.lr)
-    new_params = torch._foreach_sub(params, directions)
     targets = [
-        (source, params, new_params),
-        (buffers.state["exp_avg"], exp_avgs, new_exp_avgs),
-        (buffers.state["exp_avg_sq"], exp_avg_sqs, new_exp_avg_sqs),
+        (whole.source, params, torch._foreach_sub(params, directions)),
+        (state["exp_avg"], exp_avgs, new_exp_avgs),
+        (state["exp_avg_sq"], exp_avg_sqs, new_exp_avg_sqs),
     ]
     if grad_scale is not None:
-        targets.append((buffers.grad, views(buffers.grad), grads))
-    for flat, olds, news in targets:
-        for (s, e), old, new in zip(spans, olds, news):
-            value = new if found_inf is None else torch.where(found_inf != 0, old, new)
-            flat[s:e].copy_(value)
-    if buffers.master is not None:  # the parameters, rounded from the masters
-        for s, e in spans:
-            buffers.param[s:e].copy_(buffers.master[s:e])
+        targets.append((whole.buffers.grad, grads, unscaled))
+    whole.write(targets, found_inf)
 
 
 def _corrections(hyper: LambStep) -> tuple[Any, Any]:
