@@ -298,6 +298,8 @@ def test_grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable
     """A step with found_inf set changes nothing (parameters, state, step counts, gradients);
     the next step continues as torch's does. Both paths: the kernel masks the step, the PyTorch path's
     calls skip it (torch's fused kernels, or the foreach maths selecting the old values on the device)."""
+    if backend == "torch" and not capturable:
+        pytest.skip("the host-side skip (capturable=False) reads found_inf before any path runs: 'auto' covers it")
     with tfuse.use_backend(backend):
         _grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, device)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tfuse import kernels
+from tfuse._kit import acc_dtype
 from tfuse._launch import launch
 from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, trust_ratios
 from tfuse.optim._update_buffers import FlatBuffers, RunTable
@@ -95,7 +96,7 @@ class _LambFamily(PerParameterFamily):
         block_runs = table.runs_of_blocks(device)[3]
         master = param if buffers.master is None else buffers.master
         exp_avg, exp_avg_sq = buffers.state["exp_avg"], buffers.state["exp_avg_sq"]
-        acc = torch.float64 if param.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(param.dtype)
         partials = torch.empty(2 * starts.numel(), dtype=acc, device=device)
         direction = torch.empty(param.numel(), dtype=acc, device=device)  # u between the first and last launch
         skip = rows if found_inf is None else found_inf

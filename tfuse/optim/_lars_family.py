@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from tfuse import kernels
+from tfuse._kit import acc_dtype
 from tfuse._launch import launch
 from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, trust_ratios
 from tfuse.optim._update_buffers import FlatBuffers, RunTable
@@ -74,7 +75,7 @@ class _LarsFamily(PerParameterFamily):
         starts, ends, block_rows = table.blocks(device)
         block_runs = table.runs_of_blocks(device)[3]
         master = param if buffers.master is None else buffers.master
-        acc = torch.float64 if param.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(param.dtype)
         partials = torch.empty(2 * starts.numel(), dtype=acc, device=device)
         skip = rows if found_inf is None else found_inf
         grid = (starts.numel(),)
