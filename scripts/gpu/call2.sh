@@ -28,7 +28,7 @@ left() { echo $(( limit - SECONDS )); }
 # What the GPU has not run yet: CUDA graphs and compile, depthwise, batch norm, optimizers, clip, flat buffers,
 # fuse_model and setup. test_add*.py ran on the first GPU run and spends minutes compiling: left out.
 tests=(tests/test_compile.py tests/test_depthwise.py tests/test_batch_norm_act.py tests/test_ops_batch_norm_args.py
-       tests/test_optim.py tests/test_optim_core.py tests/test_optim_state.py tests/test_optim_low_precision.py
+       tests/test_optim.py tests/test_optim_trajectories.py tests/test_optim_core.py tests/test_optim_state.py tests/test_optim_low_precision.py
        tests/test_optim_copies.py tests/test_optim_api.py tests/test_clip_grad_norm.py tests/test_flat.py
        tests/test_flat_layout.py tests/test_flat_storage.py tests/test_flat_copies.py tests/test_fuse_model.py
        tests/test_setup.py tests/test_nn_modules.py)
