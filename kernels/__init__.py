@@ -26,6 +26,7 @@ _MODULES = (
     "cast",
     "depthwise",
     "kit",
+    "muon",
     "norm",
     "optim",
     "tiles",
@@ -56,6 +57,8 @@ _KERNELS = {
     "_lamb_update_kernel": "trust",
     "_lars_norms_kernel": "trust",
     "_lars_update_kernel": "trust",
+    "_muon_momentum_kernel": "muon",
+    "_muon_apply_kernel": "muon",
 }
 #: The tile modes, re-exported from kernels/tiles.py as ``tl.constexpr``.
 _TILE_MODES = ("COL", "LINEAR", "ROW", "SCALAR", "STRIDED")

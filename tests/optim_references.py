@@ -124,3 +124,70 @@ class ReferenceLARS(torch.optim.Optimizer):
                 velocity.mul_(momentum).add_(step)
                 p.sub_(velocity * momentum + step if group["nesterov"] else velocity)
         return loss
+
+
+class ReferenceMuon(torch.optim.Optimizer):
+    """torch.optim.Muon for the matrices and torch.optim.AdamW for the other parameters, as one optimizer (Keller
+    Jordan's MuonWithAuxAdam): each step runs torch's own for-loop functions (``torch.optim._muon.muon``,
+    ``torch.optim.adam.adam`` with decoupled weight decay). A group without ``use_muon`` is split, its matrices to
+    Muon and the rest to AdamW with the ``adamw_*`` options; N-D matrices are torch's 2-D algorithm on the
+    ``(size(0), -1)`` reshape, with the lr adjustment of that shape. State as torch's two classes keep it."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
+                 foreach=None, differentiable=False, fused=None):
+        self.adamw = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                      ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn))
+
+    def add_param_group(self, param_group):
+        if "use_muon" in param_group:
+            extra = self.adamw if not param_group["use_muon"] else {}
+            super().add_param_group({**extra, **param_group})
+            return
+        params = list(param_group["params"])
+        matrices, others = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+        if matrices:
+            super().add_param_group({**param_group, "params": matrices, "use_muon": True})
+        if others:
+            super().add_param_group({**self.adamw, "params": others, "use_muon": False})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim._muon import muon
+        from torch.optim.adam import adam
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["use_muon"]:
+                for p in params:
+                    self.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+                for p in params:  # one at a time: each as its (size(0), -1) matrix, with that shape's lr adjustment
+                    buffer = self.state[p]["momentum_buffer"]
+                    matrix, momentum = (t.detach().reshape(p.shape[0], -1).clone() for t in (p, buffer))
+                    muon([matrix], [p.grad.reshape(p.shape[0], -1)], [momentum], foreach=False, lr=group["lr"],
+                         weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
+                         ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
+                         adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+                    p.copy_(matrix.view(p.shape))
+                    buffer.copy_(momentum.view(p.shape))
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                 [], [s["step"] for s in states], foreach=False, decoupled_weight_decay=True, amsgrad=False,
+                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=False)
+        return loss

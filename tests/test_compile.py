@@ -23,8 +23,9 @@ import tfuse
 
 from optim_helpers import make_pair, run_side_by_side
 from tfuse.ops._activations import Activation
-from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
+                         FusedSGD)
 from tfuse.optim._update import _ADAM_BC2_SQRT, _ADAM_BETA1, _ADAM_BETA2, _ADAM_DECAY, _ADAM_STEP_SIZE, _SGD_LR
 
 ON_CUDA = torch.cuda.is_available()
@@ -251,10 +252,12 @@ CAPTURABLE_CASES = [
     (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, trust_clip=True)),
     (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01, nesterov=True)),
+    (FusedMuon, ReferenceMuon, dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2)),
 ]
 # The tests below take every other case, plus Lion (whose PyTorch path is torch's foreach ops, not a fused kernel)
-# and LAMB (three launches, and whole parameters on the PyTorch path); LARS is among every other case.
-SOME_CAPTURABLE_CASES = CAPTURABLE_CASES[::2] + [CAPTURABLE_CASES[5], CAPTURABLE_CASES[7]]
+# and LAMB (three launches, and whole parameters on the PyTorch path), and Muon (its iterations between two
+# launches, its AdamW groups); LARS is among every other case.
+SOME_CAPTURABLE_CASES = CAPTURABLE_CASES[::2] + [CAPTURABLE_CASES[5], CAPTURABLE_CASES[7], CAPTURABLE_CASES[9]]
 
 
 def case_id(value):

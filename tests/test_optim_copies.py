@@ -14,8 +14,9 @@ import torch
 import tfuse
 from optim_helpers import assert_same_state, backward, make_pair, run_side_by_side, saved
 from tfuse.flat import FlatParams, flat_params_of
-from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
+                         FusedSGD)
 
 PAIRS = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
@@ -25,6 +26,7 @@ PAIRS = [
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, trust_clip=True)),
     (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01, nesterov=True)),
+    (FusedMuon, ReferenceMuon, dict(lr=0.02, adamw_lr=1e-2)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.05)),  # no state at all
     (FusedMomentum, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.2)),
 ]
@@ -81,9 +83,9 @@ def test_a_copy_of_model_and_optimizer_continues_like_torchs_copy(pair, copier, 
     torch_copied = copy.deepcopy({"m": reference, "o": torch_opt})
     model_copy, fused_copy = copied["m"], copied["o"]
     assert type(fused_copy) is fused_cls and fused_copy.defaults == fused.defaults
-    ours = [p for g in fused_copy.param_groups for p in g["params"]]
-    assert all(a is b for a, b in zip(ours, model_copy.parameters())) and len(ours) == len(list(model.parameters()))
-    assert not any(a is b for a, b in zip(ours, model.parameters()))
+    ours = [p for g in fused_copy.param_groups for p in g["params"]]  # (FusedMuon's groups are in another order)
+    assert {id(p) for p in ours} == {id(p) for p in model_copy.parameters()} and len(ours) == len(list(model.parameters()))
+    assert not {id(p) for p in ours} & {id(p) for p in model.parameters()}
     assert_same_state(fused_copy, torch_copied["o"], torch.float32)
     assert all(flat_params_of(p) is not None and flat_params_of(p) is not flat_params_of(model.first.weight) for p in ours)
 

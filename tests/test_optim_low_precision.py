@@ -10,8 +10,9 @@ from torch import nn
 
 import tfuse
 from optim_helpers import LOW_PRECISION, assert_rounded_from, float32_for_loop_reference, make_pair, run_low_precision_step_by_step
-from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
+                         FusedSGD)
 from tfuse.optim import _torch_path, _torch_probe, _update_buffers
 from tfuse.optim._update import native_low_precision_ok
 
@@ -26,6 +27,7 @@ ROUTE_CASES = [
     (FusedLion, ReferenceLion, dict(lr=1e-2, weight_decay=0.3, maximize=True)),
     (FusedLAMB, ReferenceLAMB, dict(lr=1e-2, weight_decay=0.1, maximize=True)),
     (FusedLARS, ReferenceLARS, dict(lr=1.0, weight_decay=0.01, trust_coefficient=0.02, maximize=True)),
+    (FusedMuon, ReferenceMuon, dict(lr=0.02, adamw_lr=1e-2, weight_decay=0.2)),
 ]
 KERNELS = [(FusedSGD, "_fused_sgd_"), (FusedAdam, "_fused_adam_"), (FusedAdam, "_fused_adamw_")]
 

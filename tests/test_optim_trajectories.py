@@ -8,8 +8,9 @@ import torch
 
 import tfuse
 from optim_helpers import LOW_PRECISION, groups_of, make_pair, run_low_precision_step_by_step, run_side_by_side
-from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
+                         FusedSGD)
 
 CASES = [
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
@@ -38,6 +39,10 @@ CASES = [
     (FusedLARS, ReferenceLARS, dict(lr=0.5, momentum=0.8, weight_decay=0.1, trust_coefficient=0.01, eps=1e-3,
                                     nesterov=True, maximize=True)),
     (FusedLARS, ReferenceLARS, dict(lr=1.0, weight_decay=0.0, trust_coefficient=0.02, always_adapt=True)),
+    (FusedMuon, ReferenceMuon, dict(lr=0.02, adamw_lr=1e-2)),
+    (FusedMuon, ReferenceMuon, dict(lr=0.05, weight_decay=0.0, momentum=0.8, nesterov=False, ns_steps=3,
+                                    adjust_lr_fn="match_rms_adamw", adamw_lr=2e-2, adamw_betas=(0.8, 0.9), adamw_eps=1e-6,
+                                    adamw_weight_decay=0.1)),
 ]
 
 
@@ -45,7 +50,7 @@ CASES = [
 #: case takes every dtype and both group layouts, and the masters and low-precision suites cover them too.
 #: (CI time, not coverage: every option's kernel branch is still taken on both backends.)
 FURTHER = {id(case) for case in CASES if any(other[0] is case[0] for other in CASES[: CASES.index(case)])
-           and case[0] in (FusedAdagrad, FusedLion, FusedLAMB, FusedLARS)}
+           and case[0] in (FusedAdagrad, FusedLion, FusedLAMB, FusedLARS, FusedMuon)}
 
 
 def case_id(case) -> str:

@@ -46,7 +46,7 @@ def test_torch_optimizers_and_a_tfuse_class_are_accepted():
     _, optimizer = tfuse.setup(net(), tfuse.optim.FusedSGD, lr=0.1)
     assert type(optimizer) is tfuse.optim.FusedSGD
     for name, cls in [("adagrad", tfuse.optim.FusedAdagrad), ("lion", tfuse.optim.FusedLion),
-                      ("lamb", tfuse.optim.FusedLAMB), ("lars", tfuse.optim.FusedLARS)]:
+                      ("lamb", tfuse.optim.FusedLAMB), ("lars", tfuse.optim.FusedLARS), ("muon", tfuse.optim.FusedMuon)]:
         _, optimizer = tfuse.setup(net(), name, lr=0.01)
         assert type(optimizer) is cls and optimizer.param_groups[0]["lr"] == 0.01
     _, optimizer = tfuse.setup(net(), "adagrad", tfuse.FusionStrategy(fuse_all_optimizer_ops=False), lr=0.1)
@@ -57,7 +57,7 @@ def test_torch_optimizers_and_a_tfuse_class_are_accepted():
 
 def test_bad_arguments_are_refused_naming_the_problem():
     with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; expected one of adamw, adam, sgd, momentum, "
-                                         "adagrad, lion, lamb, lars"):
+                                         "adagrad, lion, lamb, lars, muon"):
         tfuse.setup(net(), "rmsprop", lr=0.1)
     with pytest.raises(TypeError, match="optimizer must be one of 'adamw', .* got <class 'torch.optim.adam.Adam'>"):
         tfuse.setup(net(), torch.optim.Adam, lr=0.1)

@@ -16,7 +16,7 @@ from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world,
 from sharded_scenarios import CLIP, OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
-from tfuse.optim import FusedAdam, FusedLAMB, FusedLARS
+from tfuse.optim import FusedAdam, FusedLAMB, FusedLARS, FusedMuon
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -268,6 +268,8 @@ def test_bad_arguments_are_refused_naming_them():
     for per_parameter in (FusedLAMB, FusedLARS):
         with pytest.raises(ValueError, match=f"{per_parameter.__name__} scales each parameter by a ratio of its norms"):
             ShardedOptimizer(layer.parameters(), per_parameter)
+    with pytest.raises(ValueError, match="FusedMuon orthogonalises each parameter's whole matrix"):
+        ShardedOptimizer(layer.parameters(), FusedMuon)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             ShardedOptimizer(layer.parameters(), FusedAdam)

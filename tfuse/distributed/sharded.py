@@ -119,11 +119,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
                 f"FusedAdam, FusedAdamW, FusedAdagrad, FusedLion), got {optimizer_class!r}"
             )
-        if getattr(getattr(optimizer_class, "family", None), "per_parameter", False):
+        family = getattr(optimizer_class, "family", None)
+        if getattr(family, "per_parameter", False):
             raise ValueError(
-                f"ShardedOptimizer: {optimizer_class.__name__} scales each parameter by a ratio of its norms, and a "
-                "parameter split across two ranks' shards would need its norms from both: not supported yet. Use "
-                f"{optimizer_class.__name__} unsharded (FusedDataParallel + the optimizer) or another family."
+                f"ShardedOptimizer: {optimizer_class.__name__} {family.whole_parameter_reason}: not supported yet. "
+                f"Use {optimizer_class.__name__} unsharded (FusedDataParallel + the optimizer) or another family."
             )
         check_modes(reduce, gather)
         if defaults.get("capturable"):

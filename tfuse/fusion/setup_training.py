@@ -27,6 +27,7 @@ OPTIMIZERS = {
     "lion": ("FusedLion", None),
     "lamb": ("FusedLAMB", None),
     "lars": ("FusedLARS", None),
+    "muon": ("FusedMuon", "Muon"),
 }
 
 
@@ -88,7 +89,7 @@ def setup(
     Args:
         model: the model, on its device.
         optimizer: a name (``"adamw"``, ``"adam"``, ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"lion"``,
-            ``"lamb"``, ``"lars"``) or a tfuse fused optimizer class.
+            ``"lamb"``, ``"lars"``, ``"muon"``) or a tfuse fused optimizer class.
         strategy: what to fuse and how to train.
         example_inputs: a tensor or tuple of the forward's inputs (see :func:`fuse_model`).
         process_group: the data-parallel group (None: the default group, when initialised).

@@ -11,6 +11,9 @@ buffer (the PyTorch path); ``describe()``, ``repr()`` and the first step's
 INFO log say which. ``FusedLion``, ``FusedLAMB`` and ``FusedLARS`` (which
 torch lacks) follow their papers, with the conventions their docstrings state;
 LAMB and LARS take three launches per buffer (per-parameter trust ratios).
+``FusedMuon`` is torch.optim.Muon for matrices and convolution weights, its
+Newton-Schulz iterations batched per matrix shape, with AdamW groups for the
+other parameters.
 
 Inside, for every caller that updates flat buffers (these optimizers, a shard
 owner, an outer optimizer): :class:`~tfuse.optim.span.SpanStepper` (the span
@@ -28,6 +31,7 @@ from tfuse.optim.clip import clip_grad_norm_
 from tfuse.optim.lamb import FusedLAMB
 from tfuse.optim.lars import FusedLARS
 from tfuse.optim.lion import FusedLion
+from tfuse.optim.muon import FusedMuon
 from tfuse.optim.sgd import FusedMomentum, FusedSGD
 
 __all__ = [
@@ -39,6 +43,7 @@ __all__ = [
     "FusedLARS",
     "FusedLion",
     "FusedMomentum",
+    "FusedMuon",
     "FusedSGD",
     "clip_grad_norm_",
 ]

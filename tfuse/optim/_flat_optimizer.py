@@ -64,6 +64,8 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
     torch_name: ClassVar[str]  # the torch.optim class this one replaces (named in error messages)
     # Whether the constructor creates every parameter's state (torch's Adagrad does), not the first gradient.
     creates_state_eagerly: ClassVar[bool] = False
+    # Group keys that say what kind of group it is, not a hyperparameter: kept from the current group on load.
+    structural_keys: ClassVar[tuple[str, ...]] = ()
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
     def __init__(
@@ -185,20 +187,21 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
         """
         loose = [p for p in new if self._flat_of(p) is None]
         if loose:
-            self._flats.append(FlatParams(loose))
+            self._flats.extend(self._coalesce(loose))
         known = {id(m.param): m for s in self._spans for m in s.members}
-        existing = {(id(s.flat), s.device, s.dtype): s for s in self._spans}
+        existing = {(id(s.flat), s.device, s.dtype, s.rule_id): s for s in self._spans}
         spans: dict[tuple, tuple[SpanStepper, list[SpanMember]]] = {}
         for index, group in enumerate(self.param_groups):
+            rule = self.rule_for(group)
             for param in group["params"]:
                 flat = self._flat_of(param)
-                key = (id(flat), param.device, param.dtype)
+                key = (id(flat), param.device, param.dtype, id(rule))
                 if key not in spans:
                     span = existing.get(key)
                     if span is None:
                         buffer = flat.groups[flat.range_of(param).buffer]
                         span = SpanStepper(
-                            flat, buffer, self, master_weights=self.master_weights, capturable=self.capturable
+                            flat, buffer, rule, master_weights=self.master_weights, capturable=self.capturable
                         )
                     elif span.layout_version != flat.layout_version:
                         self._follow_layout(span)
@@ -210,6 +213,18 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
             span.set_members(members)
         self._spans = [span for span, _ in spans.values()]
         self._flats = list(dict.fromkeys(span.flat for span in self._spans))
+
+    def _coalesce(self, loose: list[torch.Tensor]) -> list[FlatParams]:
+        """The FlatParams that take parameters held by none yet (one; FusedMuon keeps its two kinds apart)."""
+        return [FlatParams(loose)]
+
+    def rule_for(self, group: dict[str, Any]) -> Any:
+        """The update rule of ``group``'s parameters: the optimizer itself (FusedMuon's AdamW groups differ)."""
+        return self
+
+    def required_state(self, group: dict[str, Any]) -> set[str]:
+        """The state a parameter of ``group`` (as a state dict has it) holds once stepped."""
+        return self.family.required_state(group)
 
     def _follow_layout(self, span: SpanStepper) -> None:
         logger.info("tfuse: flat layout changed; moving optimizer state to the new offsets")
@@ -348,7 +363,7 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
 
     def _new_entry(self, span: SpanStepper, member: SpanMember) -> None:
         """torch's lazy state creation, seen from optimizer.state: the entry of a member at its first step."""
-        names = self.state_names_of(self.param_groups[member.group])
+        names = span.rule.state_names_of(self.param_groups[member.group])
         if not (names or span.master_weights):
             return
         entry = self.state[member.param]

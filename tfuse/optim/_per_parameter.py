@@ -72,6 +72,11 @@ class PerParameterFamily(UpdateFamily):
     native_low_precision = False
     per_parameter = True
     launches_per_buffer = 3
+    # Why a shard owner cannot update part of a parameter (ShardedOptimizer's refusal says it).
+    whole_parameter_reason = (
+        "scales each parameter by a ratio of its norms, and a parameter split across two ranks' shards would need "
+        "its norms from both"
+    )
 
     def torch_update(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf) -> None:
         by_row: dict[int, list[tuple[int, int]]] = {}

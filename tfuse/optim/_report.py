@@ -17,13 +17,15 @@ if TYPE_CHECKING:
 
 def route(optimizer: FlatOptimizer, span: SpanStepper, backend: Backend) -> str:
     """How ``backend`` updates ``span`` each step, in words."""
+    family = span.rule.family
     if backend is Backend.TRITON:
-        count = optimizer.family.launches_per_buffer
+        count = family.launches_per_buffer
         if count == 1:
-            return f"the Triton kernel {optimizer.family.kernel_name} (one launch per flat buffer)"
-        return f"the Triton kernels {optimizer.family.kernel_name} ({count} launches per flat buffer)"
-    family = optimizer.family
-    kernels = sorted({optimizer.update_row(group, 1, True).torch_kernel for group in optimizer.param_groups})
+            return f"the Triton kernel {family.kernel_name} (one launch per flat buffer)"
+        return f"the Triton kernels {family.kernel_name} ({count} launches per flat buffer)"
+    groups = optimizer.param_groups
+    rows = (span.rule.update_row(groups[i], 1, True) for i in sorted({m.group for m in span.members}))
+    kernels = sorted({row.torch_kernel for row in rows})
     routes = []
     for kernel in kernels:
         words = family.torch_words(kernel)
@@ -68,7 +70,7 @@ def service(optimizer: FlatOptimizer) -> str:
         except RuntimeError as error:  # the Triton backend forced where it cannot run: step() raises this
             routes.setdefault(f"no backend ({error})", []).append(span)
             continue
-        launches += optimizer.family.launches_per_buffer if backend is Backend.TRITON else 0
+        launches += span.rule.family.launches_per_buffer if backend is Backend.TRITON else 0
         routes.setdefault(route(optimizer, span, backend), []).append(span)
     parts = [
         text if len(routes) == 1 else f"{', '.join(f'{s.device} {dtype_name(s.dtype)}' for s in spans)} by {text}"

@@ -51,6 +51,7 @@ class StepPlan:
             self.tables.move_to_end(key)
             return self.tables[key]
         runs: list[tuple[int, int, int]] = []
+        params = []
         previous = -2
         for member, row in zip(self.members, member_rows):
             if member.end <= member.start:
@@ -60,8 +61,11 @@ class StepPlan:
                 runs[-1] = (runs[-1][0], end, row)
             else:
                 runs.append((member.start, end, row))
+                params.append(member.param)
             previous = member.index
         table = RunTable(runs, start_align=align, end_align=align if pad else 1) if runs else None
+        if table is not None and separate:
+            table.with_params(params)
         self.tables[key] = table
         if len(self.tables) > CACHE_SIZE:
             self.tables.popitem(last=False)

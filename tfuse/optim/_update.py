@@ -173,7 +173,10 @@ def update(
             END_ALIGN=table.end_align,
             num_warps=NUM_WARPS,
         )
-        family.launch(buffers, table, coefficients, grad_scale, found_inf, meta)
+        if family.needs_host_rows:  # (Muon: its iteration counts and matrix shapes are the host's)
+            family.launch_rows(buffers, table, coefficients, rows, grad_scale, found_inf, meta)
+        else:
+            family.launch(buffers, table, coefficients, grad_scale, found_inf, meta)
     else:
         _torch_update(family, buffers, table, rows, grad_scale, found_inf)
 

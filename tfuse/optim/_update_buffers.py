@@ -85,6 +85,15 @@ class RunTable:
         self._blocks: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._runs_of_blocks: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._spans: dict[int, list[tuple[int, int]]] | None = None
+        self.params: tuple[torch.Tensor, ...] | None = None  # each run's parameter (per-parameter tables)
+        self.derived: dict[object, object] = {}  # what a family derives from the table, kept with it
+
+    def with_params(self, params: Iterable[torch.Tensor]) -> RunTable:
+        """The table, told each run's parameter (a whole-parameter table: Muon reads their shapes)."""
+        self.params = tuple(params)
+        if len(self.params) != len(self.runs):
+            raise ValueError(f"RunTable: {len(self.params)} parameters for {len(self.runs)} runs")
+        return self
 
     @property
     def numel(self) -> int:

@@ -74,6 +74,8 @@ class UpdateFamily:
     # a family's PyTorch path is its torch_update, over whole runs; ShardedOptimizer refuses it.
     per_parameter: ClassVar[bool] = False
     launches_per_buffer: ClassVar[int] = 1  # Triton launches of one update of a flat buffer
+    # Whether the Triton path also needs the host's rows (launch_rows, not launch): work sized on the host (Muon).
+    needs_host_rows: ClassVar[bool] = False
 
     def torch_update(self, buffers: FlatBuffers, table: RunTable, rows: Any, grad_scale, found_inf) -> None:
         """The PyTorch path of a per-parameter family, over whole runs (the others go through torch_call)."""
@@ -93,6 +95,19 @@ class UpdateFamily:
         meta: dict[str, Any],
     ) -> None:
         """One launch of the family's kernel over ``table`` (``rows``: the coefficient table on the device)."""
+        raise NotImplementedError
+
+    def launch_rows(
+        self,
+        buffers: FlatBuffers,
+        table: RunTable,
+        rows: torch.Tensor,
+        hypers: Any,
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        meta: dict[str, Any],
+    ) -> None:
+        """:meth:`launch` for a family with :attr:`needs_host_rows`: ``hypers`` are the rows of ``rows``."""
         raise NotImplementedError
 
     def torch_call(

@@ -63,7 +63,7 @@ def check_saved_state(
             itertools.chain.from_iterable(g["params"] for g in groups),
         )
     )
-    required = {saved_id: rule.family.required_state(g) for g in saved_groups for saved_id in g["params"]}
+    required = {saved_id: rule.required_state(g) for g in saved_groups for saved_id in g["params"]}
     shaped = {*rule.state_names, MASTER_KEY}
     for saved_id, entry in state_dict["state"].items():
         param = params.get(saved_id)
@@ -112,6 +112,8 @@ def merge_saved_groups(
             saved["param_names"] = group["param_names"]
         for name, default in defaults.items():
             saved.setdefault(name, default)
+        for key in rule.structural_keys:  # what kind of group it is (FusedMuon's use_muon) stays the current one's
+            saved[key] = group[key]
         for flag in IMPLEMENTATION_FLAGS:  # how this optimizer runs is its own, not the saver's
             if flag in group:
                 saved[flag] = group[flag]

@@ -123,6 +123,7 @@ class SpanStepper:
         # Held weakly: the rule is usually the optimizer that holds this span (a cycle would keep a deleted
         # optimizer's state alive until the garbage collector runs).
         self.rule = weakref.proxy(rule)
+        self.rule_id = id(rule)  # (a proxy hides its referent's identity)
         self.device, self.dtype = group.device, group.dtype
         self.master_weights = master_weights and group.dtype in LOW_PRECISION
         self.capturable = capturable
