@@ -69,3 +69,27 @@ def test_each_run_gets_its_own_output_folder():
     first, second = default_out_dir(), default_out_dir()
     assert first != second and first.is_dir() and second.is_dir()
     first.rmdir(), second.rmdir()
+
+
+def test_the_optimizer_comparison_builds_each_run_and_each_steps_the_model():
+    """``python -m tfuse.examples.optimizers`` (its curves are committed, not rerun here): each run's optimizer
+    takes the example's model, LARS and LAMB with biases and batch-norm parameters in a group without weight
+    decay, Muon with its matrices and the rest split, and a step moves every parameter that has a gradient."""
+    import torch
+
+    from tfuse.examples.optimizers import runs
+    from tfuse.examples.train import SmallResNet, glyph_digits
+
+    images, labels = glyph_digits(16, seed=0)
+    for name, batch, make in runs():
+        torch.manual_seed(0)
+        model = SmallResNet()
+        optimizer = make(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters())), name
+        if "LARS" in name or "LAMB" in name:
+            assert [g["weight_decay"] for g in optimizer.param_groups][1] == 0.0
+        if "Muon" in name:
+            assert {g["use_muon"] for g in optimizer.param_groups} == {True, False}

@@ -339,13 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(result: dict, path: Path) -> Path | None:
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files (the Agg backend), or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _plot(result: dict, path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, run in result["trainings"].items():

@@ -460,7 +460,7 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
         """
         params = sum(len(s.members) for s in self._spans)
         elements = sum(m.end - m.start for s in self._spans for m in s.members)
-        buffers = len(self._spans)
+        buffers = len({(id(s.flat), s.device, s.dtype) for s in self._spans})  # (FusedMuon: two rules, one buffer)
         return (
             f"{type(self).__name__}: {params} parameters ({elements} elements) in {buffers} flat "
             f"buffer{'s' if buffers != 1 else ''}, {_report.service(self)}"

@@ -78,7 +78,11 @@ class FusedMuon(FlatOptimizer):
     orthogonalisation, which runs as three batched matmuls per iteration per
     group of same-shaped matrices (torch.optim.Muon runs about 17 launches per
     parameter); AdamW groups take one launch per buffer. Without Triton,
-    torch's foreach ops around the same batched orthogonalisation.
+    torch's foreach ops around the same batched orthogonalisation. The
+    optimizer coalesces the two kinds into FlatParams of their own; where
+    they already share one (``FusedDataParallel``, ``tfuse.setup``), each
+    kind's state buffers span that whole buffer: Muon's momentum and AdamW's
+    two moments, three parameter-sized buffers where AdamW alone keeps two.
     ``master_weights``, ``capturable`` and GradScaler work as for
     :class:`~tfuse.optim.FusedAdam`. Not in ``ShardedOptimizer`` yet.
 
