@@ -18,8 +18,9 @@ import torch
 from dist_helpers import run_named
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
-from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
+                         FusedSGD)
 
 BATCH = 3  # rows per rank
 STEPS = 4
@@ -34,6 +35,7 @@ FAMILIES = {
     "lion": (FusedLion, ReferenceLion, dict(lr=0.01, weight_decay=0.1)),
     "lamb": (FusedLAMB, ReferenceLAMB, dict(lr=0.01, weight_decay=0.1)),
     "lars": (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01)),
+    "muon": (FusedMuon, ReferenceMuon, dict(lr=0.02, adamw_lr=0.01)),
 }
 
 

@@ -7,6 +7,8 @@ of one family); each is bounded by a timeout.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,7 +48,9 @@ def test_the_overlapped_step_equals_the_plain_step_bit_for_bit(world2, name):
         # The first iteration is stepped plainly (it decides); every later backward stepped every bucket.
         assert result["stepped_in_backward"] == [False] + [True] * 3
         assert result["buckets"][1:] == [result["total_buckets"]] * 3 and result["total_buckets"] >= 3
-        assert result["reference_gap"] < 1e-12  # the plain run follows torch.optim on the whole batch
+        # The plain run follows torch.optim on the whole batch (Muon: within its bfloat16 iterations' rounding,
+        # tests/optim_helpers.muon_ns_slack: lr 0.02 * ratio sqrt(8/5) * 2**-4 per step, 4 steps).
+        assert result["reference_gap"] < (4 * 0.02 * math.sqrt(8 / 5) * 2**-4 if name == "trajectory_muon" else 1e-12)
 
 
 def test_three_ranks(world3):
