@@ -855,6 +855,7 @@ _OPTIMIZERS = {
     "lion": ("FusedLion", dict(lr=1e-4, weight_decay=0.1), 1, "Lion"),
     "lamb": ("FusedLAMB", dict(lr=1e-3, weight_decay=0.01), 2, "LAMB"),
     "lars": ("FusedLARS", dict(lr=1.0, weight_decay=5e-5), 1, "LARS"),
+    "muon": ("FusedMuon", dict(lr=0.02), 1, "Muon (the elementwise phases; its AdamW groups keep 2 states)"),
 }
 
 
@@ -936,7 +937,7 @@ def cases() -> list[Case]:
         for algorithm in ("adam", "sgd_momentum"):
             out.append(optim_case(algorithm, model, torch.float32, False))
             out.append(optim_case(algorithm, model, torch.bfloat16, True))
-    for algorithm in ("adagrad", "lion", "lamb", "lars"):
+    for algorithm in ("adagrad", "lion", "lamb", "lars", "muon"):
         out.append(optim_case(algorithm, "resnet50", torch.float32, False))
     for model in ("resnet50", "gpt2"):
         out.append(clip_case(model, torch.float32))

@@ -61,7 +61,9 @@ def _muon_momentum_kernel(
         update = _lerp(grad, buffer, momentum)
     else:
         update = buffer
-    dest = tl.load(block_dest_ptr + tl.program_id(0)) + (offsets - tl.load(starts_ptr + tl.program_id(0)))
+    # Workspace slots are multiples of END_ALIGN (runs rounded up into the padding) and blocks start BLOCK apart;
+    # offsets are start + arange, so the lane's workspace element is the block's plus its lane.
+    dest = tl.multiple_of(tl.load(block_dest_ptr + tl.program_id(0)), END_ALIGN) + tl.arange(0, BLOCK)
     tl.store(workspace_ptr + dest, _cast_to(update, workspace_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
@@ -80,7 +82,7 @@ def _muon_apply_kernel(
     # lr * ratio in float64, as torch computes the adjusted lr in Python, then rounded once.
     scaled_lr = (tl.load(row + MUON_LR) * tl.load(block_ratio_ptr + block)).to(ACC)
     decay = tl.load(row + MUON_DECAY).to(ACC)
-    dest = tl.load(block_dest_ptr + block) + (offsets - tl.load(starts_ptr + block))
+    dest = tl.multiple_of(tl.load(block_dest_ptr + block), END_ALIGN) + tl.arange(0, BLOCK)
     ortho = tl.load(workspace_ptr + dest, mask=mask, other=0.0).to(ACC)
     param = _load_param(param_ptr, master_ptr, offsets, mask, ACC, MASTER)
     param = param * decay - ortho * scaled_lr

@@ -170,6 +170,8 @@ CASES = {
     "lamb_bf16_master": optim_case(tfuse.optim.FusedLAMB, torch.bfloat16, master_weights=True),
     "lars_fp32": optim_case(tfuse.optim.FusedLARS, torch.float32, weight_decay=5e-5, nesterov=True),
     "lars_bf16_master": optim_case(tfuse.optim.FusedLARS, torch.bfloat16, master_weights=True),
+    "muon_fp32": optim_case(tfuse.optim.FusedMuon, torch.float32, weight_decay=0.1),
+    "muon_bf16_master": optim_case(tfuse.optim.FusedMuon, torch.bfloat16, master_weights=True),
 }
 
 # Every activation in every kernel family that applies one: each is a constexpr branch of the activation

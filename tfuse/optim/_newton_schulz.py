@@ -69,6 +69,7 @@ class ShapeGroup:
     count: int
     rows: int
     cols: int
+    slot: int  # elements from one matrix to the next: rows * cols, or the run's length rounded up into padding
     coefficients: tuple[float, float, float]
     steps: int
     eps: float
@@ -77,19 +78,22 @@ class ShapeGroup:
 
 class MatrixLayout:
     """Where each run's matrix sits in the workspace (grouped by shape), and per block of the run table its
-    workspace offset and learning-rate ratio (for the kernels)."""
+    workspace offset and learning-rate ratio (for the kernels).
+
+    A run rounded up into the zero padding after its parameter (the aligned ends that give the kernels 128-bit
+    accesses) keeps its padding in the workspace: zeros in, zeros out, never read by the iterations."""
 
     def __init__(self, table: RunTable, params: tuple[torch.Tensor, ...], rows: list[Any]) -> None:
         keys, shapes = [], []
         for (start, end, row), param in zip(table.runs, params):
             r, c, transposed = matrix_shape(param)
-            if r * c != end - start:
+            if end - start < r * c:
                 raise ValueError("Muon updates whole matrices: a run covers part of a parameter")
             hyper = rows[row]
             logical = (c, r) if transposed else (r, c)
             shapes.append((r, c, lr_ratio(hyper.adjust_lr_fn, *logical)))
             settings = (tuple(map(float, hyper.ns_coefficients)), int(hyper.ns_steps), float(hyper.eps), hyper.ns_dtype)
-            keys.append((r, c, *settings))
+            keys.append((r, c, end - start, *settings))  # (a run may end rounded up into the zero padding)
         order = sorted(range(len(keys)), key=lambda i: (str(keys[i]), i))
         self.run_dest = [0] * len(keys)
         self.groups: list[ShapeGroup] = []
@@ -102,7 +106,7 @@ class MatrixLayout:
             else:
                 self.groups.append(group)
             self.run_dest[index] = offset
-            offset += group.rows * group.cols
+            offset += group.slot
         self.numel = offset
         self.dest_order = order  # the runs in workspace order
         self.run_ratio = [ratio for _, _, ratio in shapes]
@@ -165,8 +169,8 @@ def orthogonalise(workspace: torch.Tensor, layout: MatrixLayout) -> None:
         True
     """
     for group in layout.groups:
-        stacked = workspace[group.offset : group.offset + group.count * group.rows * group.cols]
-        stacked = stacked.view(group.count, group.rows, group.cols)
+        where = workspace.storage_offset() + group.offset
+        stacked = workspace.as_strided((group.count, group.rows, group.cols), (group.slot, group.cols, 1), where)
         tall = group.rows > group.cols
         x = (stacked.mT if tall else stacked).to(group.dtype)
         x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=group.eps)

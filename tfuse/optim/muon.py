@@ -268,9 +268,6 @@ class FusedMuon(FlatOptimizer):
     def required_state(self, group: dict[str, Any]) -> set[str]:
         return {"momentum_buffer"} if group.get("use_muon", True) else {"step", "exp_avg", "exp_avg_sq"}
 
-    def pads_stay_zero(self) -> bool:
-        return False  # runs are whole matrices, never rounded into the padding
-
     def update_row(self, group: dict[str, Any], step: int, first: bool) -> MuonStep:
         return MuonStep(
             lr=as_float(group["lr"]),
