@@ -285,8 +285,51 @@ def _lars_reference_step(params: list[torch.nn.Parameter], lr: float, weight_dec
             p.sub_(velocity)
 
 
+class _MuonReference:
+    """torch's Muon maths one matrix at a time (torch.optim's functional ``muon`` on each weight's (size(0), -1)
+    matrix, convolution weights included) and torch's AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-10) for the other
+    parameters: what FusedMuon computes, as a per-parameter loop."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float) -> None:
+        self.lr, self.matrices = lr, [p for p in params if p.dim() >= 2]
+        self.buffers = [torch.zeros(p.shape[0], p.numel() // p.shape[0], device=p.device) for p in self.matrices]
+        others = [p for p in params if p.dim() < 2]
+        self.adamw = torch.optim.AdamW(others, lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0) if others else None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim._muon import muon
+
+        for param, buffer in zip(self.matrices, self.buffers):
+            matrix = param.reshape(buffer.shape).clone()
+            muon([matrix], [param.grad.reshape(buffer.shape)], [buffer], lr=self.lr, weight_decay=0.1, momentum=0.95,
+                 nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None,
+                 has_complex=False)
+            param.copy_(matrix.view(param.shape))
+        if self.adamw is not None:
+            self.adamw.step()
+
+
+def _torch_muon_step(params: list[torch.nn.Parameter]) -> Callable[[], None] | None:
+    """torch.optim.Muon over the matrices and torch's fused AdamW over the rest (None: torch's Muon refuses
+    weights with more than two dimensions)."""
+    if any(p.dim() > 2 for p in params):
+        return None
+    muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.02)
+    others = [p for p in params if p.dim() < 2]
+    fused = dict(fused=True) if params[0].device.type == "cuda" else {}
+    adamw = torch.optim.AdamW(others, lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **fused) if others else None
+
+    def step() -> None:
+        muon.step()
+        if adamw is not None:
+            adamw.step()
+
+    return step
+
+
 def fam_optim(run: Run) -> None:
-    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
+    from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon
 
     # name -> (tfuse optimizer, torch.optim class and options or None, state tensors per parameter)
     algorithms = {
@@ -297,10 +340,11 @@ def fam_optim(run: Run) -> None:
         "lion": (lambda ps, m: FusedLion(ps, lr=1e-4, weight_decay=0.1, master_weights=m), None, 1),
         "lamb": (lambda ps, m: FusedLAMB(ps, lr=1e-3, weight_decay=0.01, master_weights=m), None, 2),
         "lars": (lambda ps, m: FusedLARS(ps, lr=1.0, weight_decay=5e-5, master_weights=m), None, 1),
+        "muon": (lambda ps, m: FusedMuon(ps, lr=0.02, master_weights=m), None, 1),
     }
     cases = (("adam", torch.float32, False), ("momentum", torch.float32, False), ("adam", torch.bfloat16, True),
              ("adagrad", torch.float32, False), ("lion", torch.float32, False), ("lamb", torch.float32, False),
-             ("lars", torch.float32, False))
+             ("lars", torch.float32, False), ("muon", torch.float32, False))
     for model, shapes in _model_shapes(run):
         for algo, dtype, master in cases:
             make, torch_class, states = algorithms[algo]
@@ -313,9 +357,12 @@ def fam_optim(run: Run) -> None:
                 r.grad = p.grad.detach().float().clone()
             opt = make(params, master)
             ref_opt = None if torch_class is None else torch_class[0](reference, **torch_class[1], foreach=False)
+            muon_reference = _MuonReference(reference, 0.02) if algo == "muon" else None
             for _ in range(3):
                 opt.step()
-                if ref_opt is None and algo == "lion":
+                if muon_reference is not None:
+                    muon_reference.step()
+                elif ref_opt is None and algo == "lion":
                     _lion_reference_step(reference, 1e-4, 0.1)
                 elif ref_opt is None and algo == "lamb":
                     _lamb_reference_step(reference, 1e-3, 0.01)
@@ -327,6 +374,10 @@ def fam_optim(run: Run) -> None:
                           torch.cat([r.detach().flatten() for r in reference]))
             ms = run.median_ms(opt.step)
             torch_ms = None
+            torch_muon = _torch_muon_step(reference) if algo == "muon" else None
+            if torch_muon is not None:  # torch's Muon loop (bfloat16 iterations, as FusedMuon's) and fused AdamW
+                torch_muon()
+                torch_ms = run.median_ms(torch_muon)
             if torch_class is not None:
                 fused_kw = dict(fused=True) if run.device.type == "cuda" else {}
                 torch_fused = torch_class[0](reference, **torch_class[1], **fused_kw)

@@ -10,7 +10,12 @@ grad, momentum buffer and writes param and buffer (20 bytes); Adagrad (param,
 grad, sum), Lion (param, grad, exp_avg) and LARS (param, grad, velocity)
 likewise 20 bytes, LAMB as Adam 28 bytes (LAMB's two passes move 40 and
 LARS's 28: the norms are needed before any element is updated). torch has no
-Lion, LAMB or LARS: their rows have the tfuse column only.
+Lion, LAMB or LARS: their rows have the tfuse column only. Muon's minimum is
+20 bytes (param, grad, momentum); its Newton-Schulz iterations are matmuls
+(compute, not traffic: 4 GFLOP/s in bfloat16 on this CPU), so on the CPU it
+runs on a small transformer's shapes (d=64, 4 layers), where torch.optim.Muon
+(a loop over the matrices) with torch's fused AdamW for the other parameters
+is the comparison; on a GPU on the large models too.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import triton.testing
 
 import tfuse
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon
 
 from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, count_aten_ops, finish_row, grid
 
@@ -54,26 +59,48 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
     return shapes + [(d,), (d,)]
 
 
+def small_transformer_shapes() -> list[tuple[int, ...]]:
+    """A small GPT-style transformer (d=64, 4 layers, vocabulary 512, weights as nn.Linear keeps them)."""
+    d = 64
+    shapes: list[tuple[int, ...]] = [(512, d), (128, d)]
+    for _ in range(4):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
 def tiny_shapes() -> list[tuple[int, ...]]:
     """A few odd shapes for --quick smoke runs."""
     return [(64, 3, 7, 7), (64,), (33, 17), (1000,), (5,)]
 
 
 MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
-    "ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes, "tiny": tiny_shapes,
+    "ResNet-50": resnet50_shapes, "GPT-2 small": gpt2_small_shapes, "transformer d64": small_transformer_shapes,
+    "tiny": tiny_shapes,
 }
-BYTES_PER_PARAM = {"adam": 28, "momentum": 20, "adagrad": 20, "lion": 20, "lamb": 28, "lars": 20}
+BYTES_PER_PARAM = {"adam": 28, "momentum": 20, "adagrad": 20, "lion": 20, "lamb": 28, "lars": 20, "muon": 20}
 ALGORITHMS = {"adam": "Adam", "momentum": "SGD momentum", "adagrad": "Adagrad", "lion": "Lion", "lamb": "LAMB",
-              "lars": "LARS"}
+              "lars": "LARS", "muon": "Muon + AdamW"}
 PROVIDERS = ("tfuse", "for-loop", "foreach", "fused")
 TORCH_LESS = {"lion", "lamb", "lars"}  # no torch.optim implementation to time against
 
 
+def _configurations(models: list[str], on_gpu: bool) -> list[tuple[str, str]]:
+    """(model, algorithm) rows: every algorithm on every model, but Muon's matmuls only on the GPU for the large
+    models (minutes per step on 2 CPU cores), and the small transformer for Muon only."""
+    rows = []
+    for model in models:
+        for algorithm in ALGORITHMS:
+            small = model == "transformer d64"
+            if (algorithm == "muon" and (small or on_gpu or model == "tiny")) or (algorithm != "muon" and not small):
+                rows.append((model, algorithm))
+    return rows
+
+
 def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
-    models = ["tiny"] if ctx.quick else ["ResNet-50", "GPT-2 small"]
+    models = ["tiny"] if ctx.quick else ["ResNet-50", "GPT-2 small", "transformer d64"]
     return [
         triton.testing.Benchmark(
-            x_names=["model", "algorithm"], x_vals=[(m, a) for m in models for a in ALGORITHMS],
+            x_names=["model", "algorithm"], x_vals=_configurations(models, ctx.machine.on_gpu),
             line_arg="provider", line_vals=["tfuse", "for-loop", "foreach", "fused"],
             line_names=["tfuse", "torch for-loop", "torch foreach", "torch fused=True"],
             plot_name="optimizer-step", args={},
@@ -94,14 +121,37 @@ def _make(provider: str, algorithm: str, params: list[torch.nn.Parameter]) -> to
                  "lion": lambda: FusedLion(params, lr=1e-5, weight_decay=0.1),
                  "lamb": lambda: FusedLAMB(params, lr=1e-3, weight_decay=0.01),
                  "lars": lambda: FusedLARS(params, lr=1.0, weight_decay=5e-5),
-                 "momentum": lambda: FusedMomentum(params, lr=1e-4, momentum=0.9)}
+                 "momentum": lambda: FusedMomentum(params, lr=1e-4, momentum=0.9),
+                 "muon": lambda: FusedMuon(params, lr=0.02, adamw_lr=3e-4)}
         return fused[algorithm]()
+    if algorithm == "muon":
+        return _TorchMuonWithAdamW(params)
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[provider]
     if algorithm == "adam":
         return torch.optim.Adam(params, lr=1e-4, **flags)
     if algorithm == "adagrad":
         return torch.optim.Adagrad(params, lr=1e-4, **flags)
     return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **flags)
+
+
+class _TorchMuonWithAdamW:
+    """torch.optim.Muon over the 2-D parameters and torch's fused AdamW over the others, stepped together (torch's
+    Muon takes matrices only and has no foreach or fused implementation)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.02)
+        others = [p for p in params if p.dim() != 2]
+        self.adamw = torch.optim.AdamW(others, lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, fused=True)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+
+def _torch_providers(algorithm: str, shapes: list[tuple[int, ...]]) -> tuple[str, ...]:
+    if algorithm in TORCH_LESS or (algorithm == "muon" and any(len(s) > 2 for s in shapes)):
+        return PROVIDERS[:1]  # (torch's Muon refuses convolution weights)
+    return PROVIDERS[:2] if algorithm == "muon" else PROVIDERS
 
 
 def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
@@ -119,7 +169,7 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
     # buffers, so it gets its own; torch's three share one set (each keeps its own state), which saves memory.
     shared = _params(shapes, device)
     with tfuse.use_backend(backend):
-        for provider in PROVIDERS[:1] if algorithm in TORCH_LESS else PROVIDERS:
+        for provider in _torch_providers(algorithm, shapes):
             params = _params(shapes, device) if provider == "tfuse" else shared
             optimizer = _make(provider, algorithm, params)
             optimizer.step()  # state created, gradients re-homed into the flat buffers
@@ -128,6 +178,8 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
                     optimizer.step()
                 if backend == "triton":
                     row["tfuse_launches"] = launches.total
+                if algorithm == "muon":  # the batched iterations' torch ops (matmuls), against torch's loop
+                    row["tfuse_ops"] = count_aten_ops(optimizer.step)
             else:
                 row[f"{provider}_ops"] = count_aten_ops(optimizer.step)
             providers[provider] = optimizer.step
@@ -135,7 +187,7 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
             providers["flat"] = _flat_torch_fused_step(numel, device)
         timings, copy_nbytes = ctx.measure(providers, nbytes)
     finish_row(row, timings, ctx, nbytes=nbytes, copy_nbytes=copy_nbytes,
-               ratios={"vs_fused": "fused", "vs_foreach": "foreach"})
+               ratios={"vs_fused": "fused", "vs_foreach": "foreach", "vs_loop": "for-loop"})
     return row
 
 
@@ -163,9 +215,15 @@ def run(ctx: Context) -> Report:
         "Lion and LARS 20 B/parameter (each element read and written once; LAMB's two passes move 40, LARS's 28).",
         "Synthetic float32 parameters with the shapes of the named model, every one with a gradient; "
         "lr 1e-4, Adam betas (0.9, 0.999), SGD momentum 0.9; Lion lr 1e-5, weight decay 0.1, betas (0.9, 0.99); "
-        "LAMB lr 1e-3, weight decay 0.01; LARS lr 1, weight decay 5e-5, momentum 0.9.",
-        "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB / FusedLARS over the parameters "
-        "coalesced into one flat buffer; torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, "
+        "LAMB lr 1e-3, weight decay 0.01; LARS lr 1, weight decay 5e-5, momentum 0.9; Muon lr 0.02 (torch's "
+        "defaults otherwise: 5 bfloat16 iterations), its other parameters AdamW lr 3e-4, betas (0.9, 0.95).",
+        "Muon + AdamW: FusedMuon (matrices and convolution weights to Muon, the rest to its AdamW groups) against "
+        "torch.optim.Muon over the matrices plus torch.optim.AdamW(fused=True) over the rest, in the for-loop "
+        "column (torch's Muon has no other); tfuse ops = the torch ops of its step (the batched iterations: three "
+        "matmuls per iteration per matrix shape; on the PyTorch path also its foreach ops). Its GB/s counts the "
+        "elementwise minimum only; the time is mostly the iterations' matmuls.",
+        "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB / FusedLARS / FusedMuon over the "
+        "parameters coalesced into one flat buffer (FusedMuon: one per kind); torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, "
         "foreach=True and fused=True (torch has no Lion, LAMB or LARS).",
         "ops = ATen operator calls per torch step (each is at least one kernel launch on a GPU); "
         "launches = Triton launches per tfuse step.",
@@ -183,16 +241,20 @@ def run(ctx: Context) -> Report:
             "the flat buffers, no per-parameter work; Lion: torch's foreach ops over those runs; LAMB and LARS: "
             "torch's foreach ops over whole parameters); it launches no "
             "Triton kernel. Through the interpreter the Triton path launches one kernel (LAMB, LARS: three) per flat "
-            "buffer per step (tests/test_optim.py and tests/test_optim_api.py check it)."
+            "buffer per step (tests/test_optim.py and tests/test_optim_api.py check it). The PyTorch paths of "
+            "Lion, LAMB and LARS are unfused foreach ops, one memory pass each (LAMB about 15 passes): a fallback, "
+            "not the product."
         )
     columns = [
         Column("model", "model"), Column("algorithm", "optimizer"), Column("tensors", "tensors"),
         Column("mbytes", "min MB moved", "{:.0f}"), Column("tfuse_ms", f"{label} ms", "{:.3f}", spread=True),
         Column("tfuse_gbps", "GB/s", "{:.1f}"), Column("pct_copy", "% of copy BW", "{:.0f}%"),
-        Column("tfuse_launches", "launches"), Column("for-loop_ms", "for-loop ms", "{:.3f}", spread=True),
+        Column("tfuse_launches", "launches"), Column("tfuse_ops", "tfuse ops"),
+        Column("for-loop_ms", "for-loop ms", "{:.3f}", spread=True),
         Column("for-loop_ops", "loop ops"), Column("foreach_ms", "foreach ms", "{:.3f}", spread=True),
         Column("foreach_ops", "foreach ops"), Column("fused_ms", "fused=True ms", "{:.3f}", spread=True),
-        Column("fused_ops", "fused ops"), Column("vs_foreach", "vs foreach", "{:.2f}x"),
+        Column("fused_ops", "fused ops"), Column("vs_loop", "vs for-loop", "{:.2f}x"),
+        Column("vs_foreach", "vs foreach", "{:.2f}x"),
         Column("vs_fused", "vs fused=True", "{:.2f}x"), CHECK_COLUMN,
     ]
     return Report(
