@@ -193,6 +193,9 @@ def test_groups_split_into_muon_and_adamw_as_people_use_muon():
     assert sorted(optimizer.state[head.weight]) == ["momentum_buffer"]
     names = FusedMuon([{"params": [body[0].weight, body[0].bias], "param_names": ["w", "b"]}])
     assert [g["param_names"] for g in names.param_groups] == [["w"], ["b"]]
+    named = FusedMuon(body.named_parameters())  # torch's (name, parameter) pairs split as well
+    assert [(g["param_names"], g["use_muon"]) for g in named.param_groups] == [
+        (["0.weight"], True), (["0.bias", "1.weight", "1.bias"], False)]
 
 
 def test_bad_arguments_are_refused_in_torchs_words():

@@ -190,6 +190,9 @@ class FusedMuon(FlatOptimizer):
         elif isinstance(params, set):
             return [group]  # torch's TypeError (ordered collections only)
         params = list(params)
+        if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):  # named_parameters()
+            group = {**group, "param_names": [name for name, _ in params]}
+            params = [param for _, param in params]
         use_muon = group.get("use_muon")
         if use_muon is not None:
             if not use_muon:
