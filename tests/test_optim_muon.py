@@ -217,3 +217,43 @@ def test_bad_arguments_are_refused_in_torchs_words():
         FusedMuon([odd])
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
         FusedMuon(layer.parameters(), adamw_betas=(0.9, 1.5))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_both_kinds_in_one_flat_buffer_share_one_state_and_step_as_apart(backend, device):
+    """Matrices and biases coalesced together (as FusedDataParallel and tfuse.setup leave them): one FlatState,
+    Muon's momentum in the elements of exp_avg no bias uses (two state buffers, as AdamW), and the trajectory of
+    an optimizer whose kinds live apart, through a freeze and unfreeze that lays the buffer out again."""
+    from tfuse.flat import FlatParams
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).to(device)
+
+    shared_model, apart_model = net(), net()
+    flat = FlatParams(shared_model.parameters())  # held: the optimizer takes the parameters' buffer
+    layout = flat.layout_version
+    shared, apart = FusedMuon(shared_model.parameters(), lr=0.02), FusedMuon(apart_model.parameters(), lr=0.02)
+    assert len(shared.flat_params) == 1 and len(apart.flat_params) == 2 and "in 1 flat buffer" in shared.describe()
+    state = shared.spans[0].state
+    assert all(span.state is state for span in shared.spans)
+    with tfuse.use_backend(backend):
+        for step in range(5):
+            frozen = step == 2
+            for model in (shared_model, apart_model):
+                model[4].requires_grad_(not frozen)  # a layout change and back
+            x = torch.randn(4, 6, device=device)
+            for model, optimizer in ((shared_model, shared), (apart_model, apart)):
+                optimizer.zero_grad()
+                model(x).pow(2).sum().backward()
+                optimizer.step()
+            for mine, theirs in zip(shared_model.parameters(), apart_model.parameters()):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert flat.layout_version > layout  # (the freeze laid the buffer out again: the shared state followed once)
+    state = shared.spans[0].state
+    assert all(span.state is state for span in shared.spans)
+    assert sorted(state.buffers) == ["exp_avg", "exp_avg_sq", "momentum_buffer"]
+    assert state.buffers["momentum_buffer"] is state.buffers["exp_avg"]
+    for mine, theirs in zip(shared_model.parameters(), apart_model.parameters()):
+        for key, value in apart.state[theirs].items():
+            torch.testing.assert_close(shared.state[mine][key], value, rtol=0, atol=0)

@@ -66,6 +66,8 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
     creates_state_eagerly: ClassVar[bool] = False
     # Group keys that say what kind of group it is, not a hyperparameter: kept from the current group on load.
     structural_keys: ClassVar[tuple[str, ...]] = ()
+    # State names kept in another name's flat buffer (FusedMuon: Muon's momentum in its AdamW groups' exp_avg).
+    state_aliases: ClassVar[dict[str, str]] = {}
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
     def __init__(
@@ -190,6 +192,9 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
             self._flats.extend(self._coalesce(loose))
         known = {id(m.param): m for s in self._spans for m in s.members}
         existing = {(id(s.flat), s.device, s.dtype, s.rule_id): s for s in self._spans}
+        # One FlatState per buffer, whatever the number of rules stepping it (FusedMuon's two kinds in one buffer
+        # keep one set of masters and step counts, and share their state buffers through state_aliases).
+        states = {(id(s.flat), s.device, s.dtype): s.state for s in self._spans}
         spans: dict[tuple, tuple[SpanStepper, list[SpanMember]]] = {}
         for index, group in enumerate(self.param_groups):
             rule = self.rule_for(group)
@@ -200,9 +205,18 @@ class FlatOptimizer(OptimizerCopies, torch.optim.Optimizer):
                     span = existing.get(key)
                     if span is None:
                         buffer = flat.groups[flat.range_of(param).buffer]
+                        shared = states.get(key[:3])
+                        if shared is not None and shared.group is not buffer:
+                            shared = None  # (laid out again since: the other span follows at its next step)
                         span = SpanStepper(
-                            flat, buffer, rule, master_weights=self.master_weights, capturable=self.capturable
+                            flat,
+                            buffer,
+                            rule,
+                            master_weights=self.master_weights,
+                            capturable=self.capturable,
+                            state=shared,
                         )
+                        states[key[:3]] = span.state
                     elif span.layout_version != flat.layout_version:
                         self._follow_layout(span)
                     spans[key] = (span, [])

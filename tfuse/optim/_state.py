@@ -12,6 +12,8 @@ view, not a copy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from tfuse.flat import FlatGroup
@@ -58,8 +60,12 @@ class FlatState:
         *,
         master_weights: bool = False,
         steps_on_device: bool = False,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.master_weights = master_weights
+        # State names kept in another name's buffer (FusedMuon's momentum in its AdamW groups' exp_avg: the two
+        # kinds never hold the same element, so a buffer shared by both holds each element's state once).
+        self.aliases = dict(aliases or {})
         # Step counts on the parameters' device (capturable optimizers: read and advanced by device ops
         # only), else on the CPU (read by the host to build each step's coefficients).
         self.steps_device = group.device if steps_on_device else torch.device("cpu")
@@ -88,7 +94,10 @@ class FlatState:
         """State buffer ``name``, created (zero) on first use."""
         buffer = self.buffers.get(name)
         if buffer is None:
-            buffer = self.buffers[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.group.device)
+            if name in self.aliases:
+                buffer = self.buffers[name] = self.ensure(self.aliases[name])
+            else:
+                buffer = self.buffers[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.group.device)
         return buffer
 
     def ensure_master(self) -> torch.Tensor:
@@ -178,10 +187,14 @@ class FlatState:
         offsets; elements the old range did not cover start at zero (masters:
         at the parameters' values).
         """
+        if group is self.group and (start, end if end is not None else group.data.numel()) == (self.start, self.end):
+            return  # moved already (a state shared by two span steppers is followed by both)
         old_group, old_start, old_end, old_index = self.group, self.start, self.end, self._index
         old_buffers, old_master, old_steps = self.buffers, self.master, self.steps
         self._set_range(group, start, end)
-        self.buffers = {name: torch.zeros(self.numel, dtype=self.dtype, device=group.device) for name in old_buffers}
+        self.buffers = {}
+        for name in old_buffers:
+            self.ensure(name)  # (aliases share their buffer again)
         self.master = None
         if old_master is not None:
             self.ensure_master()
@@ -201,6 +214,6 @@ class FlatState:
             src = slice(old_offset + lo - old_start, old_offset + hi - old_start)
             dst = slice(offset + lo - self.start, offset + hi - self.start)
             for name, buffer in self.buffers.items():
-                buffer[dst].copy_(old_buffers[name][src])
+                buffer[dst].copy_(old_buffers[name][src])  # (an alias copies the same values twice)
             if old_master is not None:
                 self.master[dst].copy_(old_master[src])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,6 +24,8 @@ class AdamWSideRule:
 
     family = ADAM
     state_names = ("exp_avg", "exp_avg_sq")
+    # As FusedMuon's: whichever kind's span stepper makes the buffer's state, Muon's momentum shares exp_avg.
+    state_aliases: ClassVar[dict[str, str]] = {"momentum_buffer": "exp_avg"}
 
     @staticmethod
     def update_row(group: dict[str, Any], step: int, first: bool) -> AdamStep:
@@ -80,9 +82,10 @@ class FusedMuon(FlatOptimizer):
     parameter); AdamW groups take one launch per buffer. Without Triton,
     torch's foreach ops around the same batched orthogonalisation. The
     optimizer coalesces the two kinds into FlatParams of their own; where
-    they already share one (``FusedDataParallel``, ``tfuse.setup``), each
-    kind's state buffers span that whole buffer: Muon's momentum and AdamW's
-    two moments, three parameter-sized buffers where AdamW alone keeps two.
+    they already share one (``FusedDataParallel``, ``tfuse.setup``), they
+    share its state: Muon's momentum lives in the elements of AdamW's
+    ``exp_avg`` buffer that no AdamW parameter uses, so the state is two
+    parameter-sized buffers (as AdamW's), with one set of masters.
     ``master_weights``, ``capturable`` and GradScaler work as for
     :class:`~tfuse.optim.FusedAdam`. Not in ``ShardedOptimizer`` yet.
 
@@ -119,6 +122,7 @@ class FusedMuon(FlatOptimizer):
     state_names = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # Muon's, and the AdamW groups'
     torch_name = "torch.optim.Muon"
     structural_keys = ("use_muon",)
+    state_aliases: ClassVar[dict[str, str]] = {"momentum_buffer": "exp_avg"}  # one buffer, each element's once
 
     def __init__(
         self,

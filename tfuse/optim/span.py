@@ -83,6 +83,8 @@ class SpanStepper:
         span: the element range to update (None: the whole buffer).
         master_weights: keep float32 masters and state (float16/bfloat16 buffers only).
         capturable: keep step counts on the device; a step reads nothing on the host.
+        state: the FlatState of another span stepper over the same buffer and range, to share (its members and
+            this one's must differ); None: a new one (with the rule's ``state_aliases``).
 
     The members (:meth:`set_members`) are the parameters to update with
     their parameter group; a member outside the span gets an empty range (it
@@ -118,6 +120,7 @@ class SpanStepper:
         span: tuple[int, int] | None = None,
         master_weights: bool = False,
         capturable: bool = False,
+        state: FlatState | None = None,
     ) -> None:
         self.flat = flat
         # Held weakly: the rule is usually the optimizer that holds this span (a cycle would keep a deleted
@@ -128,7 +131,16 @@ class SpanStepper:
         self.master_weights = master_weights and group.dtype in LOW_PRECISION
         self.capturable = capturable
         start, end = (0, None) if span is None else span
-        self.state = FlatState(group, start, end, master_weights=self.master_weights, steps_on_device=capturable)
+        if state is None:
+            aliases = getattr(rule, "state_aliases", None)
+            state = FlatState(group, start, end, master_weights=self.master_weights, steps_on_device=capturable,
+                              aliases=aliases)  # fmt: skip
+        elif state.group is not group or (state.start, state.end) != (
+            start,
+            group.data.numel() if end is None else end,
+        ):
+            raise ValueError("SpanStepper: a shared FlatState must cover the same buffer and range")
+        self.state = state  # (shared by the span steppers of several rules over one buffer: FusedMuon's kinds)
         # Parameter offsets are multiples of this many elements (capped: 16 is enough for 128-bit accesses).
         self.align = min(MAX_ALIGN, max(1, flat.align_bytes // group.data.element_size()))
         self.layout_version = flat.layout_version
