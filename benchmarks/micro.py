@@ -328,6 +328,21 @@ def _torch_muon_step(params: list[torch.nn.Parameter]) -> Callable[[], None] | N
     return step
 
 
+def _muon_limit(params: list[torch.Tensor], steps: int, lr: float) -> float:
+    """The relative error two correct Muon implementations may reach: their bfloat16 Newton-Schulz iterations may
+    round a few entries of O an ulp apart (torch's CPU mm and bmm do, on some tiny matrices), so each step may move
+    an element by up to lr * ratio * 2**-4 (tests/optim_helpers.muon_ns_slack); a wrong update moves it by about
+    lr * ratio, 16x more."""
+    import math
+
+    bound = 0.0
+    for p in (p for p in params if p.dim() >= 2):
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        bound += p.numel() * (steps * lr * math.sqrt(max(1.0, rows / cols)) * 2**-4) ** 2
+    total = math.sqrt(sum(float(p.detach().double().square().sum()) for p in params))
+    return math.sqrt(bound) / max(total, 1e-30)
+
+
 def fam_optim(run: Run) -> None:
     from tfuse.optim import FusedAdagrad, FusedAdam, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon
 
@@ -390,8 +405,9 @@ def fam_optim(run: Run) -> None:
             # written; float32 master weights read and written.
             per_element = 3 * params[0].element_size() + 8 * states + (8 if master else 0)
             tag = _name(dtype) + (" +master" if master else "")
+            limit = _muon_limit(reference, 3, 0.02) if algo == "muon" else None
             run.record("optim", f"{model} {algo} {tag} ({numel / 1e6:.1f}M)", ms, per_element * numel, dtype=dtype,
-                       rel_err=err, torch_fused_fp32_ms=torch_ms, host_ms=host_ms, kernels_us=kernels_us)
+                       rel_err=err, limit=limit, torch_fused_fp32_ms=torch_ms, host_ms=host_ms, kernels_us=kernels_us)
             del params, reference, opt, ref_opt
 
 
