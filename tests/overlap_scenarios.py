@@ -270,6 +270,13 @@ def sharded(rank: int, world: int) -> dict:
         results[family] = {"params": params, "state": state, "stepped_in_backward": stepped_in_backward,
                            "communication": overlapped.communication,
                            "values": [p.detach().clone() for p in overlapped.parameters()]}
+    net = FusedDataParallel(model(), max_params_per_bucket=2)
+    lamb = ShardedOptimizer(net.parameters(), FusedLAMB, lr=0.01, weight_decay=0.1)
+    try:
+        net.overlap_step(lamb)
+        results["lamb_refused"] = None
+    except ValueError as error:
+        results["lamb_refused"] = str(error)
     return results
 
 

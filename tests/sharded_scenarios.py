@@ -21,8 +21,8 @@ import torch.distributed as dist
 import tfuse
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
-from optim_references import ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLion, FusedMomentum
+from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
+from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
 
 BATCH = 4  # rows per rank
 STEPS = 3
@@ -38,6 +38,10 @@ OPTIMIZERS = {
     "adagrad": (FusedAdagrad, torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2,
                                                         weight_decay=0.01), dict()),
     "lion": (FusedLion, ReferenceLion, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1), dict()),
+    # Per-parameter trust ratios: a parameter split across two shards takes its norms summed over both ranks.
+    "lamb": (FusedLAMB, ReferenceLAMB, dict(lr=0.01, weight_decay=0.1, trust_clip=True), dict()),
+    "lars": (FusedLARS, ReferenceLARS, dict(lr=0.5, weight_decay=0.01, nesterov=True, trust_coefficient=0.02),
+             dict(reduce="all_reduce")),
 }
 
 
@@ -503,6 +507,9 @@ SUITE = {
     "adamw": lambda rank, world: trajectory(rank, world, "adamw"),
     "adagrad": lambda rank, world: trajectory(rank, world, "adagrad"),
     "lion": lambda rank, world: trajectory(rank, world, "lion"),
+    "lamb": lambda rank, world: trajectory(rank, world, "lamb"),
+    "lars": lambda rank, world: trajectory(rank, world, "lars"),
+    "lamb_torch_path": lambda rank, world: trajectory(rank, world, "lamb", backend="torch"),
     "adagrad_checkpoint": adagrad_checkpoint,
     "adam_torch_path": lambda rank, world: trajectory(rank, world, "adam", backend="torch"),
     "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),

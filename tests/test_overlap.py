@@ -98,6 +98,8 @@ def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):
     for family in ("adam", "momentum"):  # the gathers brought every rank the same parameters
         for a, b in zip(results[0][family]["values"], results[1][family]["values"]):
             assert torch.equal(a, b)
+    for result in results:  # LAMB's and LARS's norms are summed across ranks at the sharded step only
+        assert "ShardedOptimizer of FusedLAMB sums each parameter's norms" in result["lamb_refused"]
 
 
 def test_sharded_under_a_grad_scaler_turns_the_overlap_off_and_skips_alike(world2):

@@ -85,3 +85,13 @@ def gather_from_owners(data: torch.Tensor, shards: list[Shard], mode: str, group
     else:
         for shard in shards:
             dist.broadcast(data[shard.start : shard.end], src=global_rank(group, shard.rank), group=group)
+
+
+def sums_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A process group of the same ranks for a shard owner's per-parameter sums (LAMB's and LARS's norms).
+
+    A group of their own keeps the sums apart from the gradient collectives: ranks need not issue the two kinds
+    in the same order. Only the group's ranks take part in making it (``use_local_synchronization``).
+    """
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    return dist.new_group(ranks, use_local_synchronization=True)

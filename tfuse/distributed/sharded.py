@@ -11,7 +11,7 @@ per rank is about ``1/world_size`` of the unsharded optimizer's. A step:
 3. each owner steps its shard with the span engine
    (:class:`tfuse.optim.span.SpanStepper`), the same step the unsharded
    optimizer runs over whole buffers; a parameter straddling two shards is
-   updated piecewise by both owners;
+   updated piecewise by both owners (LAMB, LARS: with its norms summed over both);
 4. every buffer's updated shards are gathered back into every rank's
    parameter buffer (one all-gather per buffer), in the same order everywhere.
 
@@ -20,6 +20,7 @@ Checkpoints are in :mod:`tfuse.distributed._sharded_state_dict`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from tfuse.distributed import _sharded_state_dict as checkpoint
 from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
-from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes
+from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes, sums_group
 from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
 from tfuse.distributed._wrapping import uses_default_group
 from tfuse.distributed.data_parallel import FusedDataParallel
@@ -72,8 +73,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for torch.optim, or a
             :class:`~tfuse.flat.FlatParams` (e.g. ``FusedDataParallel.flat``).
-        optimizer_class: :class:`~tfuse.optim.FusedSGD`, :class:`~tfuse.optim.FusedMomentum`,
-            :class:`~tfuse.optim.FusedAdam` or :class:`~tfuse.optim.FusedAdamW`.
+        optimizer_class: a tfuse fused optimizer class but FusedMuon (FusedSGD, FusedMomentum, FusedAdam,
+            FusedAdamW, FusedAdagrad, FusedLion, FusedLAMB, FusedLARS; LAMB's and LARS's per-parameter norms
+            are summed across the ranks, one small all-reduce per step on a process group of their own).
         process_group: the ranks to shard over (None: the default group).
         reduce: how gradients reach their owners: ``"auto"`` (reduce-scatter
             on NCCL, one reduce per shard elsewhere), ``"reduce_scatter"``,
@@ -117,10 +119,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, FlatOptimizer)):
             raise TypeError(
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
-                f"FusedAdam, FusedAdamW, FusedAdagrad, FusedLion), got {optimizer_class!r}"
+                f"FusedAdam, FusedAdamW, FusedAdagrad, FusedLion, FusedLAMB, FusedLARS), got {optimizer_class!r}"
             )
         family = getattr(optimizer_class, "family", None)
-        if getattr(family, "per_parameter", False):
+        if getattr(family, "per_parameter", False) and not family.sums_across_ranks:
             raise ValueError(
                 f"ShardedOptimizer: {optimizer_class.__name__} {family.whole_parameter_reason}: not supported yet. "
                 f"Use {optimizer_class.__name__} unsharded (FusedDataParallel + the optimizer) or another family."
@@ -139,6 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.rank < 0:
             raise ValueError("ShardedOptimizer: this process is not a member of process_group")
         self.world_size = dist.get_world_size(process_group)
+        self._sums_group: dist.ProcessGroup | None = None  # (LAMB, LARS: see sums_group)
         if isinstance(params, FusedDataParallel):
             params = params.flat
         # The fused optimizer checks the arguments, binds the parameters to flat buffers, holds the groups and
@@ -194,6 +197,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 flat, flat.groups[index], self.optim, span=(mine.start, mine.end), master_weights=whole.master_weights
             )
             span.set_members([SpanMember(m.param, m.group) for m in whole.members])
+            if self.optim.family.per_parameter:  # (LAMB, LARS) norms of a parameter split across shards
+                self._sums_group = self._sums_group or sums_group(self.process_group)
+                span.reduce_sums = functools.partial(dist.all_reduce, group=self._sums_group)
             result.append(ShardedBuffer(span, index, shards, self.rank))
         return result
 

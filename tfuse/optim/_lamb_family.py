@@ -18,6 +18,7 @@ parameters (float32 for float16/bfloat16 buffers).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from tfuse import kernels
 from tfuse._kit import acc_dtype
 from tfuse._launch import launch
-from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, trust_ratios
+from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, sharded_scaled_lr, trust_ratios
 from tfuse.optim._update_buffers import FlatBuffers, RunTable
 
 # Columns of the coefficient row (kernels/trust.py's LAMB_*).
@@ -122,20 +123,25 @@ class _LambFamily(PerParameterFamily):
             meta,
             device,
         )
-        scaled_lr = trust_ratios(
-            table,
-            partials,
-            rows,
-            device,
-            ROW=_LAMB_ROW,
-            LR=_LAMB_LR,
-            ADAPT=_LAMB_ADAPT,
-            TRUST_CLIP=_LAMB_TRUST_CLIP,
-            LARS=False,
-            ETA=0,
-            WEIGHT_DECAY=0,
-            EPS=0,
-        )
+        if buffers.reduce_sums is not None:  # a shard: norms of whole parameters, summed across ranks
+            scaled_lr = sharded_scaled_lr(
+                table, partials, buffers.reduce_sums, lambda norms, run_rows: _scaled_lr(norms, rows[run_rows])
+            )
+        else:
+            scaled_lr = trust_ratios(
+                table,
+                partials,
+                rows,
+                device,
+                ROW=_LAMB_ROW,
+                LR=_LAMB_LR,
+                ADAPT=_LAMB_ADAPT,
+                TRUST_CLIP=_LAMB_TRUST_CLIP,
+                LARS=False,
+                ETA=0,
+                WEIGHT_DECAY=0,
+                EPS=0,
+            )
         update_meta = {k: v for k, v in meta.items() if k != "GRAD_SCALE"}
         launch(
             kernels._lamb_update_kernel,
@@ -156,12 +162,24 @@ class _LambFamily(PerParameterFamily):
         table[:, _LAMB_BC2_SQRT] = torch.where(corrected, bc2_sqrt, torch.ones_like(bc2_sqrt))
         return table[:, :_LAMB_BIAS_CORRECTION].contiguous()
 
-    def torch_rows(self, hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> None:
-        _lamb_torch(hyper, whole, grad_scale, found_inf)
+    def torch_rows(self, hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> Iterator[torch.Tensor]:
+        return _lamb_torch(hyper, whole, grad_scale, found_inf)
 
 
-def _lamb_torch(hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> None:
-    """One row's parameters (whole runs) on the PyTorch path: out of place, then written (found_inf: unchanged)."""
+def _scaled_lr(norms: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``lr * trust`` from each run's (||p||, ||u||) and coefficient row: the trust-ratio kernel's LAMB rule."""
+    row = rows.to(norms.dtype)
+    w, u = norms.unbind(1)
+    ones = torch.ones_like(w)
+    ratio = torch.where((w > 0) & (u > 0), w / u, ones)
+    ratio = torch.where(row[:, _LAMB_TRUST_CLIP] != 0, ratio.clamp(max=1.0), ratio)
+    return row[:, _LAMB_LR] * torch.where(row[:, _LAMB_ADAPT] != 0, ratio, ones)
+
+
+def _lamb_torch(hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) -> Iterator[torch.Tensor]:
+    """One row's parameters (whole runs, or a shard's parts of them) on the PyTorch path: out of place, then
+    written (found_inf: unchanged). A generator (PerParameterFamily.torch_update): yields the runs' squared
+    norms, takes the whole parameters' norms (None: the runs are whole)."""
     state = whole.buffers.state
     params, (grads, unscaled) = whole.views(whole.source), whole.unscaled_grads(grad_scale)
     exp_avgs, exp_avg_sqs = whole.views(state["exp_avg"]), whole.views(state["exp_avg_sq"])
@@ -178,6 +196,12 @@ def _lamb_torch(hyper: LambStep, whole: WholeParameters, grad_scale, found_inf) 
     if hyper.adapt:
         w_norms = torch.stack(torch._foreach_norm(params))
         u_norms = torch.stack(torch._foreach_norm(directions))
+    else:
+        w_norms = u_norms = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
+    whole_norms = yield torch.stack([w_norms, u_norms], 1).square()
+    if whole_norms is not None:
+        w_norms, u_norms = whole_norms.unbind(1)
+    if hyper.adapt:
         ratios = torch.where((w_norms > 0) & (u_norms > 0), w_norms / u_norms, torch.ones_like(w_norms))
         if hyper.trust_clip:
             ratios = ratios.clamp(max=1.0)

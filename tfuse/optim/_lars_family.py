@@ -15,13 +15,14 @@ path runs torch's foreach ops over whole parameters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
 from tfuse import kernels
 from tfuse._kit import acc_dtype
 from tfuse._launch import launch
-from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, trust_ratios
+from tfuse.optim._per_parameter import PerParameterFamily, WholeParameters, sharded_scaled_lr, trust_ratios
 from tfuse.optim._update_buffers import FlatBuffers, RunTable
 
 # Columns of the coefficient row (kernels/trust.py's LARS_*).
@@ -82,10 +83,15 @@ class _LarsFamily(PerParameterFamily):
         scale = rows if grad_scale is None else grad_scale
         norms = (param, buffers.grad, master, starts, ends, block_rows, rows, scale, skip, partials)
         launch(kernels._lars_norms_kernel, grid, norms, meta, device)
-        scaled_lr = trust_ratios(
-            table, partials, rows, device, ROW=_LARS_ROW, LR=_LARS_LR, ADAPT=_LARS_ADAPT, TRUST_CLIP=0, LARS=True,
-            ETA=_LARS_TRUST_COEFFICIENT, WEIGHT_DECAY=_LARS_WEIGHT_DECAY, EPS=_LARS_EPS,
-        )  # fmt: skip
+        if buffers.reduce_sums is not None:  # a shard: norms of whole parameters, summed across ranks
+            scaled_lr = sharded_scaled_lr(
+                table, partials, buffers.reduce_sums, lambda norms, run_rows: _scaled_lr(norms, rows[run_rows])
+            )
+        else:
+            scaled_lr = trust_ratios(
+                table, partials, rows, device, ROW=_LARS_ROW, LR=_LARS_LR, ADAPT=_LARS_ADAPT, TRUST_CLIP=0,
+                LARS=True, ETA=_LARS_TRUST_COEFFICIENT, WEIGHT_DECAY=_LARS_WEIGHT_DECAY, EPS=_LARS_EPS,
+            )  # fmt: skip
         update_meta = {k: v for k, v in meta.items() if k != "GRAD_SCALE"}  # (phase 1 left the gradients unscaled)
         momentum_buffer = buffers.state["momentum_buffer"]
         update = (param, buffers.grad, momentum_buffer, master, starts, ends, block_rows, rows, skip, scaled_lr,
@@ -97,12 +103,24 @@ class _LarsFamily(PerParameterFamily):
         table[:, _LARS_LR] = lr
         return table
 
-    def torch_rows(self, hyper: LarsStep, whole: WholeParameters, grad_scale, found_inf) -> None:
-        _lars_torch(hyper, whole, grad_scale, found_inf)
+    def torch_rows(self, hyper: LarsStep, whole: WholeParameters, grad_scale, found_inf) -> Iterator[torch.Tensor]:
+        return _lars_torch(hyper, whole, grad_scale, found_inf)
 
 
-def _lars_torch(hyper: LarsStep, whole: WholeParameters, grad_scale, found_inf) -> None:
-    """One row's parameters (whole runs) on the PyTorch path: out of place, then written (found_inf: unchanged)."""
+def _scaled_lr(norms: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``lr * trust`` from each run's (||p||, ||g||) and coefficient row: the trust-ratio kernel's LARS rule."""
+    row = rows.to(norms.dtype)
+    w, g = norms.unbind(1)
+    ones = torch.ones_like(w)
+    decay, eta, eps = row[:, _LARS_WEIGHT_DECAY], row[:, _LARS_TRUST_COEFFICIENT], row[:, _LARS_EPS]
+    ratio = torch.where((w > 0) & (g > 0), eta * w / (g + decay * w + eps), ones)
+    return row[:, _LARS_LR] * torch.where(row[:, _LARS_ADAPT] != 0, ratio, ones)
+
+
+def _lars_torch(hyper: LarsStep, whole: WholeParameters, grad_scale, found_inf) -> Iterator[torch.Tensor]:
+    """One row's parameters (whole runs, or a shard's parts of them) on the PyTorch path: out of place, then
+    written (found_inf: unchanged). A generator (PerParameterFamily.torch_update): yields the runs' squared
+    norms, takes the whole parameters' norms (None: the runs are whole)."""
     velocities_flat = whole.buffers.state["momentum_buffer"]
     params, (grads, unscaled) = whole.views(whole.source), whole.unscaled_grads(grad_scale)
     velocities = whole.views(velocities_flat)
@@ -111,6 +129,12 @@ def _lars_torch(hyper: LarsStep, whole: WholeParameters, grad_scale, found_inf) 
     if hyper.adapt:
         w_norms = torch.stack(torch._foreach_norm(params))
         g_norms = torch.stack(torch._foreach_norm(unscaled))
+    else:
+        w_norms = g_norms = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
+    whole_norms = yield torch.stack([w_norms, g_norms], 1).square()
+    if whole_norms is not None:
+        w_norms, g_norms = whole_norms.unbind(1)
+    if hyper.adapt:
         ratios = hyper.trust_coefficient * w_norms / (g_norms + hyper.weight_decay * w_norms + hyper.eps)
         ratios = torch.where((w_norms > 0) & (g_norms > 0), ratios, torch.ones_like(ratios))
         steps = [step * scale for step, scale in zip(steps, (ratios * hyper.lr).unbind())]  # (device scalars)

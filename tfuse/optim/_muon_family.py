@@ -69,6 +69,7 @@ class _MuonFamily(PerParameterFamily):
     uses_step = False
     launches_per_buffer = 2
     needs_host_rows = True
+    sums_across_ranks = False
     whole_parameter_reason = (
         "orthogonalises each parameter's whole matrix, and a matrix split across two ranks' shards would need both "
         "parts (shards of whole matrices, one owner each)"

@@ -9,6 +9,7 @@ parameters (:class:`WholeParameters`), in float32 for float16/bfloat16.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -34,6 +35,24 @@ def trust_ratios(table: RunTable, partials: torch.Tensor, rows: torch.Tensor, de
         device,
     )
     return scaled_lr
+
+
+def across_ranks(table: RunTable, run_sums: torch.Tensor, reduce: Any) -> torch.Tensor:
+    """Each run's partial sums ``run_sums`` (runs, 2) summed over every rank holding part of its parameter: one
+    ``reduce`` (an all-reduce) of a vector indexed by the step's parameters, the same length on every rank."""
+    positions = torch.tensor(table.run_members, dtype=torch.int64, device=run_sums.device)
+    every = torch.zeros(table.plan_members, 2, dtype=run_sums.dtype, device=run_sums.device)
+    every.index_copy_(0, positions, run_sums)
+    reduce(every)
+    return every.index_select(0, positions)
+
+
+def sharded_scaled_lr(table: RunTable, partials: torch.Tensor, reduce: Any, scaled_lr: Any) -> torch.Tensor:
+    """``lr * trust`` per run on a shard: the runs' partial sums (kernel blocks in run order, summed per run in
+    that order), summed across ranks, then ``scaled_lr(norms, run_rows)`` (the family's ratio, from the norms)."""
+    _, run_blocks, run_rows, _ = table.runs_of_blocks(partials.device)
+    run_sums = torch.segment_reduce(partials.view(-1, 2), "sum", lengths=run_blocks, axis=0)
+    return scaled_lr(across_ranks(table, run_sums, reduce).sqrt(), run_rows)
 
 
 class WholeParameters:
@@ -72,21 +91,34 @@ class PerParameterFamily(UpdateFamily):
     native_low_precision = False
     per_parameter = True
     launches_per_buffer = 3
-    # Why a shard owner cannot update part of a parameter (ShardedOptimizer's refusal says it).
-    whole_parameter_reason = (
-        "scales each parameter by a ratio of its norms, and a parameter split across two ranks' shards would need "
-        "its norms from both"
-    )
+    # A shard owner updates its part of a parameter once the parameter's norms are summed across the ranks
+    # (FlatBuffers.reduce_sums); a family that needs the whole parameter itself (Muon) says why it cannot.
+    sums_across_ranks = True
+    whole_parameter_reason = ""
 
     def torch_update(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf) -> None:
-        by_row: dict[int, list[tuple[int, int]]] = {}
-        for start, end, row in table.runs:
-            by_row.setdefault(row, []).append((start, end))
-        for row, spans in by_row.items():
-            self.torch_rows(rows[row], WholeParameters(buffers, spans), grad_scale, found_inf)
+        by_row: dict[int, list[int]] = {}
+        for index, (_, _, row) in enumerate(table.runs):
+            by_row.setdefault(row, []).append(index)
+        # Each row's update is a generator: it yields its runs' squared norms (runs, 2), takes back the norms of
+        # the whole parameters (None: its runs are whole parameters), then finishes.
+        steps = []
+        for row, indices in by_row.items():
+            whole = WholeParameters(buffers, [table.runs[i][:2] for i in indices])
+            steps.append((indices, self.torch_rows(rows[row], whole, grad_scale, found_inf)))
+        squares = [(indices, next(step)) for indices, step in steps]
+        norms = None
+        if buffers.reduce_sums is not None:
+            run_sums = torch.cat([s for _, s in squares])
+            order = torch.tensor([i for indices, _ in squares for i in indices], device=run_sums.device)
+            ordered = torch.empty_like(run_sums).index_copy_(0, order, run_sums)
+            norms = across_ranks(table, ordered, buffers.reduce_sums).sqrt()
+        for indices, step in steps:
+            with contextlib.suppress(StopIteration):
+                step.send(None if norms is None else norms[indices])
 
-    def torch_rows(self, hyper: Any, whole: WholeParameters, grad_scale, found_inf) -> None:
-        """One row's parameters on the PyTorch path."""
+    def torch_rows(self, hyper: Any, whole: WholeParameters, grad_scale, found_inf) -> Any:
+        """One row's parameters on the PyTorch path, as a generator (see torch_update)."""
         raise NotImplementedError
 
     def torch_call(self, hyper, params, grads, states, grad_scale, found_inf=None):

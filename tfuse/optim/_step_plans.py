@@ -36,10 +36,13 @@ class StepPlan:
         self.tables: collections.OrderedDict[Any, RunTable] = collections.OrderedDict()
         self.device_setups: dict[Any, DeviceSetup] = {}
 
-    def table(self, member_rows: tuple[int, ...], align: int, pad: bool, separate: bool = False) -> RunTable | None:
+    def table(
+        self, member_rows: tuple[int, ...], align: int, pad: bool, separate: bool = False, slots: int | None = None
+    ) -> RunTable | None:
         """The runs of a step: maximal ranges of adjacent members that share a row (None: no element to update).
 
-        ``separate``: one run per member, never merged (an update with per-parameter norms: LAMB).
+        ``separate``: one run per member, never merged (an update with per-parameter norms: LAMB); the table then
+        knows each run's parameter and its member's position in the buffer (``slots``: the buffer's parameters).
 
         ``pad``: runs may cross the zero padding between neighbours (never
         another parameter) and end rounded up into it, when the update keeps
@@ -51,7 +54,7 @@ class StepPlan:
             self.tables.move_to_end(key)
             return self.tables[key]
         runs: list[tuple[int, int, int]] = []
-        params = []
+        params, positions = [], []
         previous = -2
         for member, row in zip(self.members, member_rows):
             if member.end <= member.start:
@@ -62,10 +65,11 @@ class StepPlan:
             else:
                 runs.append((member.start, end, row))
                 params.append(member.param)
+                positions.append(member.index)  # (the same on every rank, whatever is active where)
             previous = member.index
         table = RunTable(runs, start_align=align, end_align=align if pad else 1) if runs else None
         if table is not None and separate:
-            table.with_params(params)
+            table.with_params(params, positions, slots)
         self.tables[key] = table
         if len(self.tables) > CACHE_SIZE:
             self.tables.popitem(last=False)

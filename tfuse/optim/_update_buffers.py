@@ -9,7 +9,7 @@ hyperparameters, and cuts them into the Triton kernel's blocks
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -37,12 +37,16 @@ class FlatBuffers:
         state: the optimizer state by torch's names (``exp_avg``, ``momentum_buffer``...).
         master: float32 master copies of the parameters, or None. With masters the
             update reads and writes them and writes ``param`` rounded from them.
+        reduce_sums: see the field's comment (per-parameter families on a shard).
     """
 
     param: torch.Tensor
     grad: torch.Tensor
     state: Mapping[str, torch.Tensor]
     master: torch.Tensor | None = None
+    # Sums per-parameter partial sums across the ranks that hold parts of the parameters (in place): a shard
+    # owner's per-parameter update (LAMB, LARS), whose norms need every part. None: the parameters are whole.
+    reduce_sums: Callable[[torch.Tensor], None] | None = None
 
 
 class RunTable:
@@ -88,11 +92,17 @@ class RunTable:
         self.params: tuple[torch.Tensor, ...] | None = None  # each run's parameter (per-parameter tables)
         self.derived: dict[object, object] = {}  # what a family derives from the table, kept with it
 
-    def with_params(self, params: Iterable[torch.Tensor]) -> RunTable:
-        """The table, told each run's parameter (a whole-parameter table: Muon reads their shapes)."""
+    def with_params(
+        self, params: Iterable[torch.Tensor], positions: Iterable[int] | None = None, members: int | None = None
+    ) -> RunTable:
+        """The table, told each run's parameter (a per-parameter table: Muon reads their shapes) and, for sums
+        across ranks, each run's parameter's position among the buffer's ``members`` parameters (the same
+        positions on every rank, whichever parameters are active where)."""
         self.params = tuple(params)
         if len(self.params) != len(self.runs):
             raise ValueError(f"RunTable: {len(self.params)} parameters for {len(self.runs)} runs")
+        self.run_members = tuple(range(len(self.runs))) if positions is None else tuple(positions)
+        self.plan_members = (max(self.run_members, default=-1) + 1) if members is None else members
         return self
 
     @property

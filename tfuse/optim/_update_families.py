@@ -71,7 +71,7 @@ class UpdateFamily:
     # False: always on float32 copies (a family written with torch's foreach ops, which round each intermediate).
     native_low_precision: ClassVar[bool] = True
     # Whether the update needs each parameter's elements in runs of their own (per-parameter norms: LAMB). Such
-    # a family's PyTorch path is its torch_update, over whole runs; ShardedOptimizer refuses it.
+    # a family's PyTorch path is its torch_update, over whole runs; sharded, its norms are summed across ranks.
     per_parameter: ClassVar[bool] = False
     launches_per_buffer: ClassVar[int] = 1  # Triton launches of one update of a flat buffer
     # Whether the Triton path also needs the host's rows (launch_rows, not launch): work sized on the host (Muon).

@@ -36,8 +36,8 @@ class FusedLAMB(FlatOptimizer):
     number of parameters. Without Triton, torch's foreach ops over whole
     parameters (in float32 for float16/bfloat16). ``master_weights``,
     ``capturable`` and GradScaler work as for :class:`~tfuse.optim.FusedAdam`.
-    Not in ``ShardedOptimizer`` (a parameter split across shards would need its
-    norms from two ranks).
+    In ``ShardedOptimizer`` a parameter split across shards takes its norms
+    summed over the ranks that hold its parts (one small all-reduce per step).
 
     Args:
         params: parameters or parameter groups, or a :class:`~tfuse.flat.FlatParams`.

@@ -32,7 +32,8 @@ class FusedLARS(FlatOptimizer):
     Three Triton launches per flat buffer (norms, ratios, update) whatever the
     number of parameters; without Triton, torch's foreach ops over whole
     parameters. ``master_weights``, ``capturable`` and GradScaler work as for
-    :class:`~tfuse.optim.FusedAdam`. Not in ``ShardedOptimizer`` yet.
+    :class:`~tfuse.optim.FusedAdam`. In ``ShardedOptimizer`` as
+    :class:`~tfuse.optim.FusedLAMB` (norms summed across the ranks).
 
     Args:
         params: parameters or parameter groups, or a :class:`~tfuse.flat.FlatParams`.

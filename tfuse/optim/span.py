@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tfuse._backend import Backend, select_backend
+from tfuse._kit import acc_dtype
 from tfuse.flat import FlatGroup, FlatParams
 from tfuse.optim._state import FlatState
 from tfuse.optim._step_plans import CACHE_SIZE, StepPlan
@@ -148,6 +149,9 @@ class SpanStepper:
         self.params: list[torch.nn.Parameter] = []  # the members' parameters (read at every step)
         self.plans: collections.OrderedDict[tuple[bool, ...], StepPlan] = collections.OrderedDict()
         self.last_backend: Backend | None = None  # what ran the last update (the owner logs it)
+        # A shard owner's sum across ranks of per-parameter partial sums (LAMB's and LARS's norms); every rank
+        # calls it once per step of a per-parameter family, with zeros when its shard holds no active element.
+        self.reduce_sums: Callable[[torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------------ members and layout
 
@@ -212,7 +216,10 @@ class SpanStepper:
         element in the span (every shard owner counts every parameter).
         """
         plan = self.plan(active)
+        reduce_sums = self.reduce_sums if self.rule.family.per_parameter else None
         if not plan.members:
+            if reduce_sums is not None:  # nothing active here: the other ranks' norms still need our (zero) sums
+                reduce_sums(self._zero_sums())
             return []
         fresh = tuple(not m.started for m in plan.members)
         started = [m for m, first in zip(plan.members, fresh) if first]
@@ -230,14 +237,22 @@ class SpanStepper:
             if self.master_weights:
                 self.refresh_masters(plan.members)
             rows, member_rows = self._rows(plan, counts, fresh, groups)
-            table = plan.table(member_rows, self.align, self.rule.pads_stay_zero(), self.rule.family.per_parameter)
+            family = self.rule.family
+            slots = len(self.state.steps)
+            table = plan.table(member_rows, self.align, self.rule.pads_stay_zero(), family.per_parameter, slots)
             if table is not None:
-                buffers = self.state.buffers_for_update()
-                update(self.rule.family, buffers, table, rows, grad_scale=grad_scale, backend=backend)
+                buffers = dataclasses.replace(self.state.buffers_for_update(), reduce_sums=reduce_sums)
+                update(family, buffers, table, rows, grad_scale=grad_scale, backend=backend)
+            elif reduce_sums is not None:  # nothing of the active parameters here: the others' sums still need ours
+                reduce_sums(self._zero_sums())
         self.last_backend = backend
         if self.master_weights:
             self.note_versions(plan.members)  # masters and parameters agree
         return started
+
+    def _zero_sums(self) -> torch.Tensor:
+        """A shard owner's per-parameter sums when it holds nothing of the active parameters (LAMB, LARS)."""
+        return torch.zeros(len(self.state.steps), 2, dtype=acc_dtype(self.dtype), device=self.device)
 
     def _step_on_device(
         self,
