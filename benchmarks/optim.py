@@ -148,10 +148,27 @@ class _TorchMuonWithAdamW:
         self.adamw.step()
 
 
-def _torch_providers(algorithm: str, shapes: list[tuple[int, ...]]) -> tuple[str, ...]:
+def torch_has_fused(cls: type[torch.optim.Optimizer], device: torch.device) -> bool:
+    """Whether torch has a ``fused=True`` kernel of ``cls`` on ``device`` (none of Adagrad's on CUDA)."""
+    parameter = torch.nn.Parameter(torch.zeros(1, device=device))
+    parameter.grad = torch.ones(1, device=device)
+    try:
+        cls([parameter], fused=True).step()
+    except RuntimeError as error:  # "`fused=True` requires all the params to be ... of supported devices"
+        if "fused" not in str(error):
+            raise
+        return False
+    return True
+
+
+def _torch_providers(algorithm: str, shapes: list[tuple[int, ...]], device: torch.device) -> tuple[str, ...]:
     if algorithm in TORCH_LESS or (algorithm == "muon" and any(len(s) > 2 for s in shapes)):
         return PROVIDERS[:1]  # (torch's Muon refuses convolution weights)
-    return PROVIDERS[:2] if algorithm == "muon" else PROVIDERS
+    if algorithm == "muon":
+        return PROVIDERS[:2]
+    if algorithm == "adagrad" and not torch_has_fused(torch.optim.Adagrad, device):
+        return PROVIDERS[:-1]
+    return PROVIDERS
 
 
 def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
@@ -169,7 +186,7 @@ def _measure(ctx: Context, model: str, algorithm: str) -> dict[str, Any]:
     # buffers, so it gets its own; torch's three share one set (each keeps its own state), which saves memory.
     shared = _params(shapes, device)
     with tfuse.use_backend(backend):
-        for provider in _torch_providers(algorithm, shapes):
+        for provider in _torch_providers(algorithm, shapes, device):
             params = _params(shapes, device) if provider == "tfuse" else shared
             optimizer = _make(provider, algorithm, params)
             optimizer.step()  # state created, gradients re-homed into the flat buffers
@@ -224,7 +241,8 @@ def run(ctx: Context) -> Report:
         "elementwise minimum only; the time is mostly the iterations' matmuls.",
         "tfuse: FusedAdam / FusedMomentum / FusedAdagrad / FusedLion / FusedLAMB / FusedLARS / FusedMuon over the "
         "parameters coalesced into one flat buffer (FusedMuon: one per kind); torch columns: torch.optim.Adam / SGD / Adagrad with foreach=False, "
-        "foreach=True and fused=True (torch has no Lion, LAMB or LARS).",
+        "foreach=True and fused=True (torch has no Lion, LAMB or LARS, and no fused Adagrad on CUDA: that cell "
+        "stays empty on a GPU).",
         "ops = ATen operator calls per torch step (each is at least one kernel launch on a GPU); "
         "launches = Triton launches per tfuse step.",
     ]

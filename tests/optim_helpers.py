@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 from collections.abc import Callable
@@ -18,6 +19,23 @@ from torch import nn
 # away from the one place it is not (see steer_clear_of_cancellation).
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=2e-7)}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _torch_has_fused(torch_cls: type, device_type: str) -> bool:
+    parameter = nn.Parameter(torch.zeros(1, device=device_type))
+    parameter.grad = torch.ones(1, device=device_type)
+    try:
+        torch_cls([parameter], fused=True).step()
+    except RuntimeError:  # e.g. torch's Adagrad has no fused CUDA kernel ("fused=True requires ... devices")
+        return False
+    return True
+
+
+def torch_path_reference(torch_cls: type, device: torch.device) -> dict:
+    """The torch.optim implementation that tfuse's PyTorch path runs on ``device``: torch's fused kernel where
+    torch has one for the class on that device, else its foreach ops (as the path falls back)."""
+    return dict(fused=True) if _torch_has_fused(torch_cls, device.type) else dict(foreach=True)
 
 
 def assert_rounded_from(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg,

@@ -16,7 +16,7 @@ from torch import nn
 
 import tfuse
 from conftest import ON_CUDA
-from optim_helpers import backward, make_pair, run_side_by_side, saved
+from optim_helpers import backward, make_pair, run_side_by_side, saved, torch_path_reference
 from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedSGD
 from tfuse.optim import _torch_probe
 
@@ -127,7 +127,8 @@ def test_state_dicts_with_torchs_switches_load_both_ways(fused_cls, torch_cls, d
     the switches stay the loading optimizer's own, hyperparameters and state come from the file."""
     options = dict(lr=0.05, momentum=0.9) if torch_cls is torch.optim.SGD else dict(lr=1e-2)
     model, reference = make_pair(device)
-    torch_opt = torch_cls(reference.parameters(), **options, fused=True)
+    # torch's fused implementation where it has one on the device (its foreach one for Adagrad on CUDA)
+    torch_opt = torch_cls(reference.parameters(), **options, **torch_path_reference(torch_cls, device))
     for step in range(3):
         torch_opt.zero_grad()
         backward(reference, torch.randn(4, 5, device=device), step)
@@ -145,7 +146,7 @@ def test_state_dicts_with_torchs_switches_load_both_ways(fused_cls, torch_cls, d
     assert group.get("capturable", False) is False
     assert group["lr"] == options["lr"]
     for group in torch_opt.param_groups:
-        group["fused"] = None  # continue the trajectory with torch's for-loop
+        group.update(fused=None, foreach=False)  # continue the trajectory with torch's for-loop
     run_side_by_side(model, reference, fused, torch_opt, 3, device, torch.float32)
     # ... and back: torch's optimizer takes tfuse's state dict (through a checkpoint file).
     again = torch_cls(make_pair(device)[1].parameters(), **options)
@@ -254,20 +255,20 @@ def test_lamb_and_lars_take_three_launches_per_flat_buffer_and_say_so(cls, backe
         assert launches.total == 0 and "PyTorch path (torch's foreach ops (_foreach_norm" in text
 
 
-def test_lions_signature_and_describe():
+def test_lions_signature_and_describe(device):
     """Positional as the paper's hyperparameters (lr, betas, weight_decay), the rest keyword-only; describe()
     names the kernel, or torch's foreach ops on the PyTorch path."""
     parameters = inspect.signature(FusedLion).parameters
     assert [n for n, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
         "params", "lr", "betas", "weight_decay"]
     assert (parameters["lr"].default, parameters["betas"].default) == (1e-4, (0.9, 0.99))
-    layer = nn.Linear(3, 2)
+    layer = nn.Linear(3, 2, device=device)
     optimizer = FusedLion(layer.parameters())
     with tfuse.use_backend("triton"):
         assert "Triton kernel _lion_kernel" in optimizer.describe()
     with tfuse.use_backend("torch"):
         assert "PyTorch path (torch's foreach ops" in optimizer.describe()
-    half = FusedLion(nn.Linear(3, 2).to(torch.bfloat16).parameters())
+    half = FusedLion(nn.Linear(3, 2, device=device, dtype=torch.bfloat16).parameters())
     with tfuse.use_backend("torch"):
         assert "on float32 copies rounded to bfloat16, as the Triton kernel computes" in half.describe()
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tfuse
-from optim_helpers import LOW_PRECISION, groups_of, make_pair, run_low_precision_step_by_step, run_side_by_side
+from optim_helpers import (LOW_PRECISION, groups_of, make_pair, run_low_precision_step_by_step, run_side_by_side,
+                           torch_path_reference)
 from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion, ReferenceMuon
 from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum, FusedMuon,
                          FusedSGD)
@@ -91,11 +92,12 @@ def test_trajectory_matches_torch(case, two_groups, dtype, backend, device):
             zero_grads = not (dtype == torch.float16 and fused_cls in (FusedAdam, FusedAdamW))  # see the helper
             run_low_precision_step_by_step(model, fused, torch_cls, options, steps, device, dtype, zero_grads)
         else:
-            # The PyTorch path runs torch's fused kernels; on CUDA torch's fused Adam and its for-loop differ
-            # by more than the float32 tolerance after 10 steps (2.3e-7 on a 0.011 bias with weight decay, on
-            # an H100), so there the reference is torch's fused=True. Elsewhere, and for the Triton kernels,
-            # torch's for-loop.
-            implementation = dict(fused=True) if backend == "torch" and device.type == "cuda" else dict(foreach=False)
+            # The PyTorch path runs torch's fused kernels (foreach ops where torch has none, as Adagrad on CUDA);
+            # on CUDA torch's fused Adam and its for-loop differ by more than the float32 tolerance after 10 steps
+            # (2.3e-7 on a 0.011 bias with weight decay, on an H100), so there the reference is what the path
+            # runs. Elsewhere, and for the Triton kernels, torch's for-loop.
+            on_cuda_path = backend == "torch" and device.type == "cuda"
+            implementation = torch_path_reference(torch_cls, device) if on_cuda_path else dict(foreach=False)
             torch_opt = torch_cls(groups_of(reference, options, two_groups), **options, **implementation)
             run_side_by_side(model, reference, fused, torch_opt, steps=steps, device=device, dtype=dtype)
     # The auxiliary head had no gradient on most odd steps (run_side_by_side
