@@ -72,7 +72,8 @@ class Workload:
         return model.train()
 
     def loss(self, model: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False):
+        low_precision = self.amp_dtype != torch.float32  # (float32: no autocast, as a check of the maths)
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False, enabled=low_precision):
             logits = model(self.inputs)
         return F.cross_entropy(logits.float().flatten(0, -2), self.targets.flatten())
 
