@@ -240,7 +240,8 @@ def sharded(rank: int, world: int) -> dict:
     """ShardedOptimizer under FusedDataParallel, plain and overlapped (owners step their shard of each bucket when
     its reduce lands; the shards are gathered when backward ends), with each reduce mode."""
     results = {}
-    for family, reduce in (("adam", "auto"), ("momentum", "all_reduce")):
+    # (Muon: shards of whole parameters, two span steppers over the one buffer, the owner steps whole matrices)
+    for family, reduce in (("adam", "auto"), ("momentum", "all_reduce"), ("muon", "auto")):
         fused, _, options = FAMILIES[family]
         runs = []
         for overlap in (False, True):

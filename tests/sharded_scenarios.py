@@ -22,7 +22,8 @@ import tfuse
 
 from tfuse.distributed import FusedDataParallel, ShardedOptimizer
 from optim_references import ReferenceLAMB, ReferenceLARS, ReferenceLion
-from tfuse.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum
+from tfuse.optim import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedLARS, FusedLion, FusedMomentum,
+                         FusedMuon)
 
 BATCH = 4  # rows per rank
 STEPS = 3
@@ -84,13 +85,14 @@ def _updates_here(opt: ShardedOptimizer) -> bool:
     return any(p is not None and p.grad is not None for p, _, _ in shard.ranges)
 
 
-def straddles(opt: ShardedOptimizer) -> int:
-    """How many parameters cross a shard boundary (the test wants some)."""
+def straddles(opt: ShardedOptimizer, matrices_only: bool = False) -> int:
+    """How many parameters cross a shard boundary (the test wants some; of Muon's matrices, none)."""
     count = 0
     for flat in opt.flat_params:
         for shards in flat.shards(opt.world_size):
             bounds = {s.start for s in shards[1:]}
-            count += sum(any(r.start < b < r.end for b in bounds) for r in flat.ranges() if r.trainable)
+            ranges = [flat.range_of(p) for p in flat.params if p.requires_grad and (p.dim() >= 2 or not matrices_only)]
+            count += sum(any(r.start < b < r.end for b in bounds) for r in ranges)
     return count
 
 
@@ -400,6 +402,58 @@ def save(rank: int, world: int) -> dict:
     return {"consolidated": opt.consolidated_state_dict(to=0), "sharded": opt.state_dict(), "params": params_of(net)}
 
 
+MUON = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float64, adamw_lr=0.01, adamw_weight_decay=0.01)
+
+
+def muon(rank: int, world: int) -> dict:
+    """FusedMuon sharded by whole matrices == FusedMuon on one process over the whole batch, parameters and state:
+    on the loose model (matrices and the AdamW kind in FlatParams of their own; gradients None on some ranks or
+    all), and under FusedDataParallel (both kinds in the wrapper's one buffer, reduced to owners in backward).
+    Then the consolidated state dict loads into a new ShardedOptimizer, which steps on alike (the reshard path)."""
+    result = {}
+    for wrapped in (False, True):
+        net, reference = (model()["body"], model()["body"]) if wrapped else (model(), model())
+        params = FusedDataParallel(net, bucket_mb=0.001) if wrapped else net.parameters()
+        opt = ShardedOptimizer(params, FusedMuon, **MUON)
+        ref_opt = FusedMuon(reference.parameters(), **MUON)
+        sharded_steps, reference_steps = [], []
+        for step, batch in enumerate(batches(world)):
+            for optimizer, loss in ((opt, lambda: _muon_loss(net, batch, rank, step, wrapped)),
+                                    (ref_opt, lambda: sum(_muon_loss(reference, batch, r, step, wrapped)
+                                                          for r in range(world)) / world)):
+                optimizer.zero_grad()
+                loss().backward()
+                optimizer.step()
+            sharded_steps.append(params_of(net))
+            reference_steps.append(params_of(reference))
+        consolidated = opt.consolidated_state_dict(to=0)
+        entry = {"params": sharded_steps, "reference": reference_steps, "straddles": straddles(opt, matrices_only=True),
+                 "buffers": sum(len(f.groups) for f in opt.flat_params), "state_bytes": opt.state_bytes(),
+                 "state": None if consolidated is None else consolidated["state"],
+                 "reference_state": ref_opt.state_dict()["state"]}
+        if not wrapped:  # the whole state back on every rank, into a new sharded optimizer: one more step alike
+            state = [consolidated]
+            dist.broadcast_object_list(state, src=0)
+            again_net = copy.deepcopy(net)
+            again = ShardedOptimizer(again_net.parameters(), FusedMuon, **MUON)
+            again.load_state_dict(state[0])
+            batch = batches(world)[0]
+            for optimizer, module in ((opt, net), (again, again_net)):
+                optimizer.zero_grad()
+                _muon_loss(module, batch, rank, 2, False).backward()
+                optimizer.step()
+            entry["resumed"], entry["continued"] = params_of(again_net), params_of(net)
+        result["data_parallel" if wrapped else "loose"] = entry
+    return result
+
+
+def _muon_loss(net: torch.nn.Module, batch, rank: int, step: int, body_only: bool) -> torch.Tensor:
+    if not body_only:
+        return rank_loss(net, batch, rank, step)
+    x, y = batch[0][rank * BATCH : (rank + 1) * BATCH], batch[1][rank * BATCH : (rank + 1) * BATCH]
+    return torch.nn.functional.mse_loss(net(x), y)
+
+
 def adagrad_checkpoint(rank: int, world: int) -> dict:
     """Sharded Adagrad's consolidated checkpoint (every parameter's state, from the constructor on) loads into a
     new ShardedOptimizer and into torch.optim.Adagrad, and both continue like the original."""
@@ -510,6 +564,7 @@ SUITE = {
     "lamb": lambda rank, world: trajectory(rank, world, "lamb"),
     "lars": lambda rank, world: trajectory(rank, world, "lars"),
     "lamb_torch_path": lambda rank, world: trajectory(rank, world, "lamb", backend="torch"),
+    "muon": muon,
     "adagrad_checkpoint": adagrad_checkpoint,
     "adam_torch_path": lambda rank, world: trajectory(rank, world, "adam", backend="torch"),
     "clip": lambda rank, world: trajectory(rank, world, "adam", clip=0.05),

@@ -109,6 +109,38 @@ def test_shards_for_a_new_world_size_pad_the_buffers_and_keep_values_and_gradien
         FlatParams([nn.Parameter(torch.zeros(3, device=device))], world_size=True)
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_shards_of_whole_parameters_split_none_and_balance_the_ranks(world_size, device):
+    """whole_params=True (sharded Muon): every trainable parameter inside one shard, ranks holding consecutive
+    parameters in buffer order, the largest load at most an even share plus the largest parameter; values and
+    gradients kept through the re-layout, and later calls without the flag get the same shards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 20), nn.Linear(20, 4), nn.Conv2d(4, 9, 3), nn.Linear(9, 2)).to(device)
+    model[0].bias.requires_grad_(False)  # a frozen parameter stays after the trainable range
+    flat = FlatParams(model)
+    model[1](model[0](torch.randn(3, 30, device=device))).sum().backward()
+    before = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    shards = flat.shards(world_size, whole_params=True)[0]
+    group = flat.groups[0]
+    trainable = group.params[: group.n_trainable]
+    owner = {id(param): shard.rank for shard in shards for param, _, _ in shard.ranges}
+    for shard in shards:
+        for param, start, end in shard.ranges:
+            assert (start, end) == (flat.range_of(param).start, flat.range_of(param).end)  # whole, not a piece
+    assert sorted(owner) == sorted(id(p) for p in trainable)
+    ranks = [owner[id(p)] for p in sorted(trainable, key=lambda p: flat.range_of(p).start)]
+    assert ranks == sorted(ranks)  # consecutive parameters per rank, in buffer order
+    aligned = [-(-p.numel() // 64) * 64 for p in trainable]
+    assert shards[0].numel <= -(-sum(aligned) // world_size) + max(aligned)
+    assert len({s.numel for s in shards}) == 1 and shards[-1].end == group.grad.numel()
+    assert all(flat.range_of(p).start >= group.grad.numel() for p in group.params[group.n_trainable :])
+    for name, param in model.named_parameters():
+        value, grad = before[name]
+        assert torch.equal(param, value) and ((grad is None and param.grad is None) or torch.equal(param.grad, grad))
+    version = flat.layout_version
+    assert flat.shards(world_size) == flat.shards(world_size, whole_params=True) and flat.layout_version == version
+
+
 def test_a_parameter_leads_to_its_flat_params_and_nothing_keeps_it_alive(device):
     model = mixed_model(device)
     flat = FlatParams(model)

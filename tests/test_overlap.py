@@ -91,11 +91,11 @@ def test_misuse_raises_naming_the_problem(world2):
 def test_sharded_owners_step_their_shard_of_each_bucket_during_backward(world2):
     results = scenario(world2, "sharded")
     for result in results:
-        for family in ("adam", "momentum"):
+        for family in ("adam", "momentum", "muon"):
             assert result[family]["params"] and result[family]["state"], family
             assert result[family]["communication"] == "sharded", family
             assert result[family]["stepped_in_backward"] == [False] + [True] * 3, family
-    for family in ("adam", "momentum"):  # the gathers brought every rank the same parameters
+    for family in ("adam", "momentum", "muon"):  # the gathers brought every rank the same parameters
         for a, b in zip(results[0][family]["values"], results[1][family]["values"]):
             assert torch.equal(a, b)
     for result in results:  # LAMB's and LARS's norms are summed across ranks at the sharded step only

@@ -16,7 +16,7 @@ from dist_helpers import assert_a_killed_rank_makes_the_others_raise, run_world,
 from sharded_scenarios import CLIP, OPTIMIZERS, killed_rank, model, run_suite
 
 from tfuse.distributed import ShardedOptimizer
-from tfuse.optim import FusedAdam, FusedMuon
+from tfuse.optim import FusedAdam
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -31,7 +31,7 @@ def _suite(world: int, names: list[str], **kwargs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return _suite(2, ["momentum", "adam", "adamw", "adagrad", "lion", "lamb", "lars", "lamb_torch_path",
+    return _suite(2, ["momentum", "adam", "adamw", "adagrad", "lion", "lamb", "lars", "lamb_torch_path", "muon",
                       "adagrad_checkpoint", "adam_torch_path", "clip", "grad_scaler", "data_parallel",
                       "data_parallel_scaler", "masters", "memory", "save", "clip_idioms"])
 
@@ -40,7 +40,7 @@ def world2() -> list[dict]:
 def world3(world2) -> list[dict]:
     saved = scenario(world2, "save")
     reload_from = {"consolidated": saved[0]["consolidated"], "sharded": [r["sharded"] for r in saved]}
-    return _suite(3, ["momentum", "adam", "clip", "memory"], reload_from=reload_from)
+    return _suite(3, ["momentum", "adam", "clip", "memory", "muon"], reload_from=reload_from)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,30 @@ def test_parameters_and_state_follow_torch_optim_on_the_whole_batch(world, name)
     state, reference = ranks[0]["state"], ranks[0]["reference_state"]
     # Every parameter but the unused layer's two; Adagrad's state exists from its constructor on: all 12.
     assert len(state) == len(reference) == (12 if name == "adagrad" else 10)
+    assert_states_equal(state, reference, **TIGHT)
+
+
+@pytest.mark.parametrize("kind", ["loose", "data_parallel"])
+def test_sharded_muon_equals_single_process_muon_and_splits_no_matrix(world, kind):
+    """FusedMuon sharded by whole matrices (2 and 3 ranks) follows FusedMuon on one process over the whole batch
+    (float64 iterations): parameters every step and the consolidated state; no parameter crosses a shard boundary;
+    each rank holds part of the state; a consolidated state dict resumes in a new ShardedOptimizer bit for bit."""
+    ranks = [result[kind] for result in scenario(world, "muon")]
+    for result in ranks:
+        for step, (sharded, reference) in enumerate(zip(result["params"], result["reference"])):
+            for index, (a, e) in enumerate(zip(sharded, reference)):
+                torch.testing.assert_close(a, e, **TIGHT, msg=f"step {step}, parameter {index}")
+        torch.testing.assert_close(result["params"], ranks[0]["params"], **EXACT)  # replicas bit-identical
+        assert result["straddles"] == 0  # every matrix whole in one shard
+        if kind == "loose":
+            torch.testing.assert_close(result["resumed"], result["continued"], **EXACT)
+    first, last = ranks[0]["params"][0], ranks[0]["params"][-1]
+    assert sum(not torch.equal(a, b) for a, b in zip(first, last)) >= len(first) - 2  # trained (not the unused)
+    assert ranks[0]["buffers"] == (2 if kind == "loose" else 1)  # the kinds apart, or in the wrapper's buffer
+    assert all(r["state_bytes"] < sum(r["state_bytes"] for r in ranks) for r in ranks)  # the state is split
+    assert all(r["state"] is None for r in ranks[1:])
+    state, reference = ranks[0]["state"], ranks[0]["reference_state"]
+    assert any("momentum_buffer" in entry for entry in state.values()) and any("exp_avg" in e for e in state.values())
     assert_states_equal(state, reference, **TIGHT)
 
 
@@ -267,8 +291,6 @@ def test_bad_arguments_are_refused_naming_them():
         ShardedOptimizer(layer.parameters(), FusedAdam, gather="gossip")
     with pytest.raises(ValueError, match="capturable=True is not supported"):
         ShardedOptimizer(layer.parameters(), FusedAdam, capturable=True)
-    with pytest.raises(ValueError, match="FusedMuon orthogonalises each parameter's whole matrix"):
-        ShardedOptimizer(layer.parameters(), FusedMuon)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             ShardedOptimizer(layer.parameters(), FusedAdam)

@@ -136,7 +136,7 @@ def _load_sharded(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     for sharded, saved in zip(opt.buffers, state_dict["buffers"]):
         buffer = sharded.span
         state = buffer.state
-        state.buffers.clear()
+        state.buffers.clear()  # (a state shared by two spans is saved with each: loaded twice, the same)
         for name, value in saved["state"].items():
             state.ensure(name).copy_(value)
         for member, step, started in zip(buffer.members, saved["steps"], saved["started"]):
@@ -172,10 +172,10 @@ def consolidated_state_dict(opt: ShardOwner, to: int) -> dict[str, Any] | None:
     for sharded in opt.buffers:
         buffer, group = sharded.span, sharded.group
         started = [m for m in buffer.members if m.started]  # the same on every rank (flags are agreed)
-        names_of = {m.group: optim.state_names_of(optim.param_groups[m.group]) for m in started}
+        names_of = {m.group: buffer.rule.state_names_of(optim.param_groups[m.group]) for m in started}
         for member in started:
             entry = result.setdefault(ids[id(member.param)], {}) if here else {}
-            if optim.family.uses_step and names_of[member.group]:
+            if buffer.rule.family.uses_step and names_of[member.group]:
                 entry["step"] = torch.tensor(float(buffer.state.steps[member.index]))
         for name in sorted(set(itertools.chain.from_iterable(names_of.values()))):
             mine = buffer.state.ensure(name)
@@ -218,9 +218,10 @@ def _load_consolidated(opt: ShardOwner, state_dict: dict[str, Any]) -> None:
     params = check_saved_state(opt.optim, opt.param_groups, state_dict, owner="ShardedOptimizer")
     _load_groups(opt, state_dict["param_groups"])
     saved_id = {id(param): key for key, param in params.items()}
+    for sharded in opt.buffers:  # all first: FusedMuon's two spans over one buffer share its state
+        sharded.span.reset()
     for sharded in opt.buffers:
         span = sharded.span
-        span.reset()
         for member in span.members:
             entry = saved_state.get(saved_id[id(member.param)])
             if entry:

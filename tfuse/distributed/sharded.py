@@ -11,7 +11,9 @@ per rank is about ``1/world_size`` of the unsharded optimizer's. A step:
 3. each owner steps its shard with the span engine
    (:class:`tfuse.optim.span.SpanStepper`), the same step the unsharded
    optimizer runs over whole buffers; a parameter straddling two shards is
-   updated piecewise by both owners (LAMB, LARS: with its norms summed over both);
+   updated piecewise by both owners (LAMB, LARS: with its norms summed over both). FusedMuon orthogonalises
+   whole matrices: its buffers are laid out in shards of whole parameters (consecutive parameters per rank,
+   balanced by size, each shard padded to the largest), so no matrix is split and no collective is added;
 4. every buffer's updated shards are gathered back into every rank's
    parameter buffer (one all-gather per buffer), in the same order everywhere.
 
@@ -34,32 +36,15 @@ from tfuse.distributed._checks import require_process_group
 from tfuse.distributed._reducer import GradientReducer, reducer_of
 from tfuse.distributed._replica_check import check_replicas_match, describe_replica
 from tfuse.distributed._shard_comm import check_modes, gather_from_owners, reduce_to_owners, resolve_modes, sums_group
+from tfuse.distributed._sharded_buffer import ShardedBuffer, not_ahead, one_per_buffer
 from tfuse.distributed._sharded_clip import check_grad_edits, clip_sharded
 from tfuse.distributed._wrapping import uses_default_group
 from tfuse.distributed.data_parallel import FusedDataParallel
-from tfuse.flat import FlatGroup, FlatParams, Shard
+from tfuse.flat import FlatParams
 from tfuse.optim import FlatOptimizer
 from tfuse.optim.span import SpanMember, SpanStepper, closure_and_amp
 
 logger = logging.getLogger(__name__)
-
-
-class ShardedBuffer:
-    """One flat buffer as a shard owner sees it: its shards, and the span engine over this rank's shard."""
-
-    def __init__(self, span: SpanStepper, index: int, shards: list[Shard], rank: int) -> None:
-        self.span = span  # steps shards[rank] (state, member ranges, step plans)
-        self.index = index  # the buffer's index in its FlatParams' groups
-        self.shards = shards
-        self.shard = shards[rank]
-
-    @property
-    def flat(self) -> FlatParams:
-        return self.span.flat
-
-    @property
-    def group(self) -> FlatGroup:
-        return self.span.state.group
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -73,9 +58,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for torch.optim, or a
             :class:`~tfuse.flat.FlatParams` (e.g. ``FusedDataParallel.flat``).
-        optimizer_class: a tfuse fused optimizer class but FusedMuon (FusedSGD, FusedMomentum, FusedAdam,
-            FusedAdamW, FusedAdagrad, FusedLion, FusedLAMB, FusedLARS; LAMB's and LARS's per-parameter norms
-            are summed across the ranks, one small all-reduce per step on a process group of their own).
+        optimizer_class: a tfuse fused optimizer class (FusedSGD, FusedMomentum, FusedAdam, FusedAdamW,
+            FusedAdagrad, FusedLion, FusedLAMB, FusedLARS, FusedMuon; LAMB's and LARS's per-parameter norms
+            are summed across the ranks, one small all-reduce per step on a process group of their own;
+            FusedMuon's buffers are cut into shards of whole parameters, each matrix orthogonalised by its owner).
         process_group: the ranks to shard over (None: the default group).
         reduce: how gradients reach their owners: ``"auto"`` (reduce-scatter
             on NCCL, one reduce per shard elsewhere), ``"reduce_scatter"``,
@@ -119,13 +105,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, FlatOptimizer)):
             raise TypeError(
                 "ShardedOptimizer: optimizer_class must be a tfuse fused optimizer class (FusedSGD, FusedMomentum, "
-                f"FusedAdam, FusedAdamW, FusedAdagrad, FusedLion, FusedLAMB, FusedLARS), got {optimizer_class!r}"
-            )
-        family = getattr(optimizer_class, "family", None)
-        if getattr(family, "per_parameter", False) and not family.sums_across_ranks:
-            raise ValueError(
-                f"ShardedOptimizer: {optimizer_class.__name__} {family.whole_parameter_reason}: not supported yet. "
-                f"Use {optimizer_class.__name__} unsharded (FusedDataParallel + the optimizer) or another family."
+                "FusedAdam, FusedAdamW, FusedAdagrad, FusedLion, FusedLAMB, FusedLARS, FusedMuon), got "
+                f"{optimizer_class!r}"
             )
         check_modes(reduce, gather)
         if defaults.get("capturable"):
@@ -183,21 +164,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_replicas_match(entries, self.process_group, device, owner="ShardedOptimizer")
 
     def _shard_buffers(self) -> list[ShardedBuffer]:
+        """One ShardedBuffer per span of the optimizer (FusedMuon's two kinds in one buffer: two, sharing state)."""
+        rules = {id(s): self.optim.rule_for(self.param_groups[s.members[0].group]) for s in self.optim.spans}
+        whole_flats = {id(s.flat) for s in self.optim.spans if getattr(rules[id(s)].family, "whole_parameters", False)}
         for flat in self.optim.flat_params:
-            flat.shards(self.world_size)  # pads (lays out again) first if the buffers do not split evenly yet
-        result = []
+            # Pads (lays out again) first if the buffers do not split evenly yet, or into whole-parameter shards.
+            flat.shards(self.world_size, whole_params=id(flat) in whole_flats)
+        result, states = [], {}
         for whole in self.optim.spans:
             flat = whole.flat
             index = next(i for i, g in enumerate(flat.groups) if g.device == whole.device and g.dtype == whole.dtype)
             shards = flat.shards(self.world_size)[index]
             if not shards:
                 continue  # no trainable parameter in this buffer: nothing to update
-            mine = shards[self.rank]
+            mine, rule = shards[self.rank], rules[id(whole)]
             span = SpanStepper(
-                flat, flat.groups[index], self.optim, span=(mine.start, mine.end), master_weights=whole.master_weights
+                flat,
+                flat.groups[index],
+                rule,
+                span=(mine.start, mine.end),
+                master_weights=whole.master_weights,
+                state=states.get((id(flat), index)),
             )
+            states[(id(flat), index)] = span.state
             span.set_members([SpanMember(m.param, m.group) for m in whole.members])
-            if self.optim.family.per_parameter:  # (LAMB, LARS) norms of a parameter split across shards
+            if rule.family.per_parameter and rule.family.sums_across_ranks:  # (LAMB, LARS) split parameters' norms
                 self._sums_group = self._sums_group or sums_group(self.process_group)
                 span.reduce_sums = functools.partial(dist.all_reduce, group=self._sums_group)
             result.append(ShardedBuffer(span, index, shards, self.rank))
@@ -289,8 +280,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: its shards of the state buffers and of the float32 masters."""
-        tensors = [t for b in self._buffers for t in (*b.span.state.buffers.values(), b.span.state.master)]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        states = {id(b.span.state): b.span.state for b in self._buffers}.values()  # (FusedMuon's kinds share one)
+        tensors = {id(t): t for state in states for t in (*state.buffers.values(), state.master) if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's ``Optimizer.zero_grad`` (one op per flat buffer)."""
@@ -321,17 +313,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss  # inf/NaN in some rank's gradients: every rank skips the step, nothing changes
         if self._ahead:  # stepped and gathered during backward (every rank stepped the same members ahead)
             self._ahead = 0
-            active = [_not_ahead(b.span, on) for b, on in zip(self._buffers, active)]
+            active = [not_ahead(b.span, on) for b, on in zip(self._buffers, active)]
         stepped = []
         for sharded, on in zip(self._buffers, active):
             if any(on):  # (agreed on every rank)
                 self._update(sharded, on, grad_scale)
                 stepped.append(sharded)
-        for sharded in stepped:  # the same buffers, in the same order, on every rank
-            current = sharded.span.current_members()
-            gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
-            sharded.span.note_versions(current)  # the gather wrote the parameters, not the user
+        self._gather(stepped)
         return loss
+
+    def _gather(self, stepped: list[ShardedBuffer]) -> None:
+        """Every rank's shards of the ``stepped`` buffers into every rank (once per flat buffer, in order)."""
+        current = [(sharded.span, sharded.span.current_members()) for sharded in stepped]
+        for sharded in one_per_buffer(stepped):  # the same buffers, in the same order, on every rank
+            gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
+        for span, members in current:
+            span.note_versions(members)  # the gather wrote the parameters, not the user
 
     def _reduce_grads(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
@@ -349,15 +346,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         active, adopted, skip = self._agree_on_grads(found_inf)
         if skip:
             return active, True
-        for sharded, on, missing in zip(self._buffers, active, adopted):
-            if not any(on):
-                continue  # no parameter of the buffer has a gradient on any rank (agreed): no collective
+        # No collective for a buffer where no parameter has a gradient on any rank (agreed).
+        with_grads = [sharded for sharded, on in zip(self._buffers, active) if any(on)]
+        for sharded in one_per_buffer(with_grads):
             grad = sharded.group.grad
             grad.div_(self.world_size)  # average: divide before summing, as DDP does
             if grad_scale is not None:
                 grad.div_(grad_scale.to(grad.device, grad.dtype))
             reduce_to_owners(grad, sharded.shards, self.reduce_mode, self.process_group)
             sharded.flat.note_synchronized()  # the whole buffer was divided and reduced, slots without gradients too
+        for sharded, missing in zip(self._buffers, adopted):
             for param in missing:
                 # Its slot now holds the reduction's result, not zeros: the parameter gets it as its gradient
                 # (as DDP gives an unused parameter the average), and FlatParams knows the slot is written.
@@ -453,11 +451,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def gather_ahead(self) -> None:
         """Brings the parameters stepped by :meth:`step_ahead` to every rank (one gather per buffer, in order)."""
-        for sharded in self._buffers:
-            if any(m.ahead for m in sharded.span.members):
-                current = sharded.span.current_members()
-                gather_from_owners(sharded.group.data, sharded.shards, self.gather_mode, self.process_group)
-                sharded.span.note_versions(current)
+        self._gather([sharded for sharded in self._buffers if any(m.ahead for m in sharded.span.members)])
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -493,11 +487,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(rank {self.rank} of {self.world_size}, {self.optim!r})"
-
-
-def _not_ahead(span: SpanStepper, active: tuple[bool, ...]) -> tuple[bool, ...]:
-    """``active`` without the members stepped ahead (whose flags are cleared: the next backward may step them)."""
-    result = tuple(on and not m.ahead for on, m in zip(active, span.members))
-    for member in span.members:
-        member.ahead = False
-    return result

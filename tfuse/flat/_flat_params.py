@@ -35,6 +35,7 @@ from tfuse.flat._copies import register_compact_state_dict
 from tfuse.flat._grad_path import _GradPath
 from tfuse.flat._home import _HOME_ATTR
 from tfuse.flat._records import Bucket, FlatGroup, ParamRange, Shard, _Slot
+from tfuse.flat._whole_shards import whole_parameter_offsets
 
 logger = logging.getLogger(__package__)  # "tfuse.flat": the package logs under one name
 
@@ -112,6 +113,7 @@ class FlatParams(_GradPath):
         self.max_params_per_bucket = max_params_per_bucket
         self.align_bytes = align_bytes
         self._shard_multiple = shard_multiple  # the trainable range splits into this many equal aligned shards
+        self._whole_shards = False  # and each parameter lies inside one shard (sharded Muon)
         self.layout_version = 0
         self._registered = unique
         self._names = names
@@ -176,7 +178,15 @@ class FlatParams(_GradPath):
             offsets.append(cursor)
             cursor += -(-param.numel() // align) * align
         trainable_end = offsets[len(trainable)] if len(trainable) < len(ordered) else cursor
-        if trainable and self._shard_multiple > 1:  # padding, so that the shards have equal aligned sizes
+        if trainable and self._shard_multiple > 1 and self._whole_shards:  # each parameter inside one shard
+            offsets[: len(trainable)], shard = whole_parameter_offsets(
+                [p.numel() for p in trainable], self._shard_multiple, align
+            )
+            padding = shard * self._shard_multiple - trainable_end
+            trainable_end += padding
+            cursor += padding
+            offsets[len(trainable) :] = [offset + padding for offset in offsets[len(trainable) :]]
+        elif trainable and self._shard_multiple > 1:  # padding, so that the shards have equal aligned sizes
             shard = -(-trainable_end // (align * self._shard_multiple)) * align
             padding = shard * self._shard_multiple - trainable_end
             trainable_end += padding
@@ -334,8 +344,12 @@ class FlatParams(_GradPath):
         """Every parameter's range, buffer by buffer in buffer order (trainable ones first in each)."""
         return [self.range_of(param) for group in self._groups for param in group.params]
 
-    def shards(self, world_size: int) -> list[list[Shard]]:
+    def shards(self, world_size: int, whole_params: bool = False) -> list[list[Shard]]:
         """Each flat buffer's trainable range cut into ``world_size`` equal, aligned shards.
+
+        ``whole_params``: every parameter lies inside one shard (a parameter is never split across ranks; ranks
+        hold consecutive parameters, balanced by size, each shard padded to the largest). Asking for it lays the
+        buffers out again once, and they stay so (later calls without it get the same shards).
 
         Returns ``shards[b][rank]`` for every buffer ``b`` of :attr:`groups`
         that has a gradient buffer (``[]`` for one that has none). Shard
@@ -354,9 +368,13 @@ class FlatParams(_GradPath):
             [(0, 128), (128, 256), (256, 384), (384, 512)]
         """
         _check_world_size(world_size)
-        if world_size > 1 and self._shard_multiple != world_size and not self._splits_evenly(world_size):
+        if world_size > 1 and whole_params and (self._shard_multiple != world_size or not self._whole_shards):
+            logger.info("FlatParams: laying the flat buffers out in %d equal shards of whole parameters", world_size)
+            self._shard_multiple, self._whole_shards = world_size, True
+            self._lay_out()
+        elif world_size > 1 and self._shard_multiple != world_size and not self._splits_evenly(world_size):
             logger.info("FlatParams: padding the flat buffers to split into %d equal shards", world_size)
-            self._shard_multiple = world_size
+            self._shard_multiple, self._whole_shards = world_size, False
             self._lay_out()
         result: list[list[Shard]] = []
         for index, group in enumerate(self._groups):

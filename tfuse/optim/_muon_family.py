@@ -70,10 +70,9 @@ class _MuonFamily(PerParameterFamily):
     launches_per_buffer = 2
     needs_host_rows = True
     sums_across_ranks = False
-    whole_parameter_reason = (
-        "orthogonalises each parameter's whole matrix, and a matrix split across two ranks' shards would need both "
-        "parts (shards of whole matrices, one owner each)"
-    )
+    # Orthogonalises each parameter's whole matrix: sharded, its buffers are laid out in shards of whole
+    # parameters (FlatParams.shards(whole_params=True)), each matrix with one owner.
+    whole_parameters = True
 
     def required_state(self, group):
         return {"momentum_buffer"}

@@ -92,9 +92,10 @@ class PerParameterFamily(UpdateFamily):
     per_parameter = True
     launches_per_buffer = 3
     # A shard owner updates its part of a parameter once the parameter's norms are summed across the ranks
-    # (FlatBuffers.reduce_sums); a family that needs the whole parameter itself (Muon) says why it cannot.
+    # (FlatBuffers.reduce_sums); a family that needs the whole parameter itself (Muon) is sharded by whole
+    # parameters instead (whole_parameters: ShardedOptimizer lays its buffers out so).
     sums_across_ranks = True
-    whole_parameter_reason = ""
+    whole_parameters = False
 
     def torch_update(self, buffers: FlatBuffers, table: RunTable, rows, grad_scale, found_inf) -> None:
         by_row: dict[int, list[int]] = {}
