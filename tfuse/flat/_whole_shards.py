@@ -18,6 +18,7 @@ def whole_parameter_offsets(sizes: list[int], world_size: int, align: int) -> tu
     share by at most the largest parameter.
 
     Example:
+        >>> from tfuse.flat._whole_shards import whole_parameter_offsets
         >>> whole_parameter_offsets([40, 8, 8, 40], world_size=2, align=8)
         ([0, 40, 48, 56], 48)
     """
