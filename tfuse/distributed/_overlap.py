@@ -28,6 +28,11 @@ What cannot overlap, and what happens instead:
   the second raises.
 * ``find_unused_parameters=True``: which parameters step is known when the
   used flags are agreed at the end of backward, so buckets are stepped then.
+* A ShardedOptimizer of LAMB or LARS sums each parameter's norms across the
+  ranks as it steps (a blocking collective of its own group): its buckets
+  are stepped when backward ends too, bucket by bucket, in the same order on
+  every rank (stepping one while backward runs could leave a rank waiting
+  there for another that waits for a gradient bucket the first has not sent).
 """
 
 from __future__ import annotations
@@ -113,7 +118,11 @@ class OverlappedStep:
                 "the first pass stepped the optimizer already. Call optimizer.step() after each synchronizing "
                 "backward, and accumulate gradients with no_sync() or gradient_merge_steps"
             )
-        self._poll = not find_unused  # with find_unused, which parameters step is agreed at the end only
+        # With find_unused, which parameters step is agreed at the end only. A sharded LAMB or LARS sums each
+        # parameter's norms across the ranks as it steps (a blocking collective): stepped while backward runs, a
+        # rank would wait there for a rank that waits for a gradient bucket it cannot issue, so its buckets are
+        # stepped when backward ends, in order on every rank.
+        self._poll = not find_unused and not getattr(self._optimizer(), "sums_across_ranks", False)
         self._read_masks(buckets)
 
     def issued(self, index: int, works: list[Any]) -> None:

@@ -342,13 +342,6 @@ class FusedDataParallel(torch.nn.Module):
                 "FusedDataParallel.overlap_step: optimizer must be a tfuse fused optimizer (FusedSGD, FusedMomentum, "
                 f"FusedAdam, FusedAdamW) or a ShardedOptimizer, got {type(optimizer).__name__}"
             )
-        if sharded and optimizer.optim.family.per_parameter and optimizer.optim.family.sums_across_ranks:
-            raise ValueError(
-                f"FusedDataParallel.overlap_step: a ShardedOptimizer of {type(optimizer.optim).__name__} sums each "
-                "parameter's norms across the ranks when it steps, and stepping bucket by bucket during backward "
-                "would need every rank to step the same buckets in the same order: not supported yet. Call "
-                "optimizer.step() after backward (the sharded step), or overlap the unsharded optimizer"
-            )
         if not sharded and optimizer.capturable:
             raise ValueError(
                 "FusedDataParallel.overlap_step: a capturable optimizer steps from device-side step counts inside a "

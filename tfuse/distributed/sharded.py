@@ -274,6 +274,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return tuple(self._buffers)
 
     @property
+    def sums_across_ranks(self) -> bool:
+        """Whether a step sums per-parameter norms across the ranks (LAMB, LARS; FusedDataParallel's overlapped
+        step then steps the buckets when backward ends, see tfuse.distributed._overlap)."""
+        return any(b.span.reduce_sums is not None for b in self._buffers)
+
+    @property
     def spans(self) -> tuple[SpanStepper, ...]:
         """The span engines stepping this rank's shard of each flat buffer."""
         return tuple(b.span for b in self._buffers)
