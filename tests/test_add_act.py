@@ -117,9 +117,17 @@ ACT_PATTERNS = [
 ]
 
 
+# The dtype is independent of the layout and of the activation: it rotates over the cases, so that every
+# activation and every layout meets every dtype (pairs, not the whole cross product).
+ACT_PATTERN_DTYPES = [
+    (act, pattern, DTYPES[(i + j) % len(DTYPES)])
+    for j, act in enumerate(ACTS)
+    for i, pattern in enumerate(pattern for a, pattern in ACT_PATTERNS if a == act)
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act, pattern", ACT_PATTERNS)
+@pytest.mark.parametrize("act, pattern, dtype", ACT_PATTERN_DTYPES)
 def test_values_and_gradients_match_torch(act, pattern, dtype, backend, device):
     inputs = [t.requires_grad_() for t in make_operands(pattern, dtype, device)]
     with tfuse.use_backend(backend):
