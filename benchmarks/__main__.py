@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    from .harness import RESULTS_DIR, Context, copy_bandwidth_gbps, describe_machine, single_thread_copy_gbps
+    from .harness import (
+        QUICK_COMPILE_NOTE,
+        RESULTS_DIR,
+        Context,
+        copy_bandwidth_gbps,
+        describe_machine,
+        single_thread_copy_gbps,
+    )
 
     out_dir = args.out or default_out_dir()
     machine = describe_machine()
@@ -72,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         begin = time.perf_counter()
         print(f"== {name}: running", file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
+        context.compiled_references = 0
         report = module.run(context)
+        if context.quick and context.compiled_references:
+            report.notes.append(QUICK_COMPILE_NOTE)
         print()
         print(report.markdown(machine))
         for path in report.write(machine, out_dir):

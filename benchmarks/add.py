@@ -146,8 +146,7 @@ def _measure(ctx: Context, pattern: str, n_inputs: int, numel: int, dtype: torch
 
     providers = {"tfuse": fused, "eager": eager}
     if ctx.use_compile:
-        torch._dynamo.reset()  # a fresh cache per configuration: no recompile limits, no reuse
-        compiled = torch.compile(_eager_sum, dynamic=False)
+        compiled = ctx.compile_reference(_eager_sum)
         compiled(*inputs)
         providers["compile"] = lambda: compiled(*inputs)
     with tfuse.use_backend(backend):  # tfuse's path; eager and compiled code do not call tfuse

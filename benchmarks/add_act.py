@@ -74,8 +74,7 @@ def _measure(ctx: Context, pattern: str, act: str, dtype: torch.dtype, shape: tu
 
     compiled = None
     if ctx.use_compile:
-        torch._dynamo.reset()
-        compiled = torch.compile(eager, dynamic=False)
+        compiled = ctx.compile_reference(eager)
 
     rows = []
     for passes in ("forward", "forward+backward"):

@@ -65,8 +65,7 @@ def _measure(ctx: Context, shape: tuple[int, ...], dtype: torch.dtype, residual:
     fused = FusedBatchNormAct2d.from_batchnorm(copy.deepcopy(eager.bn), act="relu")
     compiled = None
     if ctx.use_compile:
-        torch._dynamo.reset()
-        compiled = torch.compile(copy.deepcopy(eager), dynamic=False)
+        compiled = ctx.compile_reference(copy.deepcopy(eager))
     x = torch.randn(shape, device=device, dtype=dtype)
     skip = torch.randn(shape, device=device, dtype=dtype) if residual else None
     size = x.numel() * x.element_size()

@@ -220,8 +220,7 @@ def _measure(ctx: Context, layer: Layer, batch: int, dtype: torch.dtype, channel
     triton_fused = _forced_triton(fused)
     compiled = None
     if ctx.use_compile:
-        torch._dynamo.reset()
-        compiled = torch.compile(_pair(layer, layer.channels), dynamic=False)
+        compiled = ctx.compile_reference(_pair(layer, layer.channels))
     # tfuse's own path on a CPU (without the interpreter); on a GPU the dispatch rule's choice.
     path_backend = "auto" if on_gpu else "torch"
     with tfuse.use_backend(path_backend):

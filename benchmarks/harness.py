@@ -725,6 +725,12 @@ def copy_note(ctx: "Context") -> str:
             "same rounds as the row, so a row whose bytes fit in the CPU's caches is set against a cache-resident copy.")
 
 
+QUICK_COMPILE_NOTE = (
+    "Quick run (--quick, a smoke run): the compile columns are torch.compile's aot_eager backend (dynamo and "
+    "AOTAutograd, no inductor code generation); full runs compile with inductor."
+)
+
+
 @dataclasses.dataclass
 class Context:
     """What every benchmark gets: the machine and the run's options."""
@@ -734,6 +740,16 @@ class Context:
     quick: bool
     use_compile: bool
     stall_reference_gbps: float | None = None  # single_thread_copy_gbps() at the start (CPU runs)
+    compiled_references: int = 0  # compile_reference calls (the quick run's note)
+
+    def compile_reference(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """torch.compile of an eager reference (the "compile" columns), from a fresh dynamo cache (no recompile
+        limits, no reuse across configurations). A --quick smoke run compiles with the ``aot_eager`` backend
+        (dynamo and AOTAutograd, no code generation: the columns' plumbing at a fraction of the cost; the
+        report says so, see QUICK_COMPILE_NOTE); every other run with inductor."""
+        torch._dynamo.reset()
+        self.compiled_references += 1
+        return torch.compile(fn, dynamic=False, backend="aot_eager" if self.quick else "inductor")
 
     def measure(self, providers: Mapping[str, Callable[[], Any]], nbytes: int | None = None) -> tuple[dict[str, Timing], int | None]:
         """Times ``providers`` interleaved. On a CPU it adds a "canary" (stall check) and, with ``nbytes``,

@@ -60,8 +60,7 @@ def _measure(ctx: Context, act: str, dtype: torch.dtype, shape: tuple[int, int, 
     fused = FusedLinear.from_linear(copy.deepcopy(reference[0]), act=act)
     compiled = None
     if ctx.use_compile:
-        torch._dynamo.reset()
-        compiled = torch.compile(copy.deepcopy(reference), dynamic=False)
+        compiled = ctx.compile_reference(copy.deepcopy(reference))
     x = torch.randn(tokens, d_in, device=device, dtype=dtype)
     backend = "triton" if ctx.machine.on_gpu else "torch"
     flops = 2 * tokens * d_in * d_out
