@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import datetime
 import gc
@@ -616,12 +617,34 @@ class Report:
             lines.append("| " + " | ".join(c.render(row).replace("|", "/") for c in self.columns) + " |")
         return "\n".join(lines) + "\n"
 
+    def csv_rows(self) -> list[dict[str, Any]]:
+        """The table as numbers, one dict per configuration, for users who plot their own: each column's raw
+        value under its key (a time column's quartiles too, as ``<key>_q1`` and ``<key>_q3``; the check column
+        as its text)."""
+        result = []
+        for row in self.rows:
+            out: dict[str, Any] = {}
+            for column in self.columns:
+                out[column.key] = column.render(row) if column.key == "check" else row.get(column.key)
+                if column.spread:
+                    low, high = row.get(f"{column.key}_range") or (None, None)
+                    out[f"{column.key}_q1"], out[f"{column.key}_q3"] = low, high
+            result.append(out)
+        return result
+
     def write(self, machine: Machine, out_dir: Path) -> list[Path]:
-        """Writes ``<name>-<device>.md`` and, when there is something to plot, ``.png``."""
+        """Writes ``<name>-<device>.md``, the same rows as numbers in ``.csv``, and, when there is something to
+        plot, ``.png``."""
         out_dir.mkdir(parents=True, exist_ok=True)
         table = out_dir / f"{self.name}-{machine.slug}.md"
         table.write_text(self.markdown(machine))
-        written = [table]
+        rows = self.csv_rows()
+        numbers = out_dir / f"{self.name}-{machine.slug}.csv"
+        with numbers.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else [c.key for c in self.columns])
+            writer.writeheader()
+            writer.writerows(rows)
+        written = [table, numbers]
         if self.plot_lines and any(row.get("plot", True) for row in self.rows):
             plot = out_dir / f"{self.name}-{machine.slug}.png"
             self.plot(machine, plot)

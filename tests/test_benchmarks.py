@@ -8,6 +8,7 @@ numbers are tested on injected numbers.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -385,7 +386,22 @@ def _table(quick_run, name: str) -> tuple[str, list[dict[str, str]]]:
     rows = _table_rows(table)
     assert rows and all(CHECK_CELL.match(row["check"]) for row in rows), [row["check"] for row in rows]
     assert f"[{name} " in result.stderr  # progress
+    _assert_csv_has_the_tables_rows(tables[0].with_suffix(".csv"), rows)
     return table, rows
+
+
+def _assert_csv_has_the_tables_rows(path: Path, rows: list[dict[str, str]]) -> None:
+    """Beside each table, its rows as numbers (one line per configuration): every time shown in the table is the
+    CSV's median, with its quartiles around it, and the check column is the table's."""
+    with path.open(newline="") as handle:
+        numbers = list(csv.DictReader(handle))
+    assert len(numbers) == len(rows) and numbers
+    timed = [key[: -len("_q1")] for key in numbers[0] if key.endswith("_q1")]  # (e2e's times are min-max)
+    for table_row, line in zip(rows, numbers):
+        assert line["check"] == table_row["check"]
+        for key in timed:
+            if line[key] and line[f"{key}_q1"]:  # (a provider a configuration does not time: empty, "-" in the table)
+                assert float(line[f"{key}_q1"]) <= float(line[key]) <= float(line[f"{key}_q3"]), (key, line)
 
 
 def _table_rows(markdown: str) -> list[dict[str, str]]:
