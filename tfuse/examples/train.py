@@ -352,18 +352,29 @@ def pyplot() -> Any:
 
 
 def _plot(result: dict, path: Path) -> Path | None:
+    """The loss curves (distinct styles: where they coincide one still sees both) above their relative gap."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, run in result["trainings"].items():
-        ax.plot(run["losses"], label=f"{name} (accuracy {run['accuracy'][-1]:.1%})", alpha=0.8)
-    ax.set_xlabel("step")
+    fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(6, 4.8), sharex=True, gridspec_kw=dict(height_ratios=(3, 1)))
+    runs = list(result["trainings"].items())
+    styles = [dict(linestyle="-", linewidth=2.4, alpha=0.45), dict(linestyle="--", marker="o", markersize=3)]
+    for (name, run), style in zip(runs, styles + [{}] * len(runs)):
+        ax.plot(run["losses"], label=f"{name} (accuracy {run['accuracy'][-1]:.1%})", **style)
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_yscale("log")
     ax.set_title(f"SmallResNet, {result['world']} ranks ({result['device']}): tfuse vs plain PyTorch", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
+    if len(runs) == 2:
+        (_, first), (_, second) = runs
+        gaps = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(first["losses"], second["losses"])]
+        gap_ax.plot(gaps, marker=".", color="C2")
+        worst = max(gaps, default=0.0)
+        verdict = "the curves coincide" if worst <= 1e-3 else "the curves differ"
+        gap_ax.set_title(f"relative gap |tfuse - plain| / plain: at most {worst:.1e} ({verdict})", fontsize=8)
+    gap_ax.set_xlabel("step")
+    gap_ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
