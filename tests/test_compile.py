@@ -304,7 +304,7 @@ def test_grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable
     if backend == "torch" and not capturable:
         # Not a gap: with capturable=False, step() reads found_inf on the host and returns before choosing a
         # backend, so this combination would run exactly the code of backend="auto" (which runs above).
-        pytest.skip("the host-side skip (capturable=False) reads found_inf before any path runs: 'auto' covers it")
+        pytest.skip("the host-side skip (capturable=False) reads found_inf before any path runs: 'auto' covers it")  # (one backend's run covers it)
     with tfuse.use_backend(backend):
         _grad_scaler_skip_on_found_inf(fused_cls, torch_cls, options, capturable, device)
 

@@ -68,7 +68,7 @@ def test_training_matches_one_process_on_the_whole_batch_and_ddp(world, name):
     if name not in world[0]:
         # The 3-rank world runs the scenarios whose behaviour depends on the world size; training equality
         # is checked at 2 ranks only, to keep CI under its time budget.
-        pytest.skip("run on 2 ranks only (CI time)")
+        pytest.skip("run on 2 ranks only (CI time)")  # the 3-rank group runs the scenarios that differ with 3
     ranks = scenario(world, name)
     for rank, result in enumerate(ranks):
         assert_all_close(result["initial"], result["reference_initial"], rtol=0, atol=0)  # rank 0's weights everywhere
@@ -263,7 +263,7 @@ def test_the_wrapper_pickles_like_ddp_and_unpickling_needs_a_process_group(world
 
     if dist.is_initialized():
         # The error under test needs no process group; another test in this process left one initialized.
-        pytest.skip("a process group is initialized in this process")
+        pytest.skip("a process group is initialized in this process")  # (the check needs none; another test left one)
     with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
         torch.load(io.BytesIO(ranks[0]["pickled"]), weights_only=False)
 
@@ -303,7 +303,7 @@ def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path):
     script = ROOT / "examples" / "train_data_parallel.py"
     if not script.is_file():
         # examples/ is part of the checkout, not of the installed package (a wheel install has none).
-        pytest.skip("needs the source tree (examples/ is not installed)")
+        pytest.skip("needs the source tree (examples/ is not installed)")  # (an installed-package run has no examples/)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     result = run_command(
@@ -408,7 +408,7 @@ def test_init_from_env_rejects_an_unknown_backend(monkeypatch):
         monkeypatch.setenv(name, value)
     if dist.is_initialized():
         # init_process_group_from_env would not run its checks with a group already initialized here.
-        pytest.skip("a process group is already initialized in this process")
+        pytest.skip("a process group is already initialized in this process")  # (the check needs none)
     with pytest.raises(ValueError, match="backend must be 'nccl', 'gloo' or None, got 'mpi'"):
         init_process_group_from_env(backend="mpi")
 
