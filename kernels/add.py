@@ -1,7 +1,7 @@
 """N-ary elementwise add with broadcasting, in one pass.
 
 ``out = x0 + x1 + ... + x{N-1}``: every input is read once, the output is
-written once, nothing is stored in between (the add3 fusion of the seeds,
+written once, nothing is stored in between (PaddlePaddle's add3 fusion,
 generalised to N inputs and to broadcasting). Tiling and addressing are
 described in tiles.py.
 """

@@ -1,4 +1,4 @@
-"""Depthwise 2-d convolution with the preceding activation applied on load (the seeds' fuse_relu_depthwise_conv).
+"""Depthwise 2-d convolution with the preceding activation applied on load (PaddlePaddle's fuse_relu_depthwise_conv).
 
 ``y = act_out(conv2d(act_in(x), w, b, groups=C))`` for a weight ``[C, 1, KH, KW]``
 (depth multiplier 1). The activation output ``act_in(x)`` is never written:

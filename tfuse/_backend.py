@@ -10,7 +10,7 @@ Rules, checked on every call (so a test or a script may change them at will):
   imported); the PyTorch path for every other case, and everywhere when
   Triton is not installed (macOS, Windows, images without it).
 * Size (``auto`` on CUDA only): an op whose tensors hold fewer elements than
-  :func:`small_op_elements` (``TFUSE_SMALL_OP_ELEMENTS``, default
+  ``small_op_elements()`` (``TFUSE_SMALL_OP_ELEMENTS``, default
   32768: 64 KiB of bf16) is served by the PyTorch path. At that size every
   kernel is latency-bound (a few microseconds whatever it does), so fusing
   saves no device time, while each of tfuse's launches costs host time; eager
@@ -42,7 +42,7 @@ _log = logging.getLogger("tfuse")
 
 BACKEND_ENV_VAR = "TFUSE_BACKEND"
 SMALL_OP_ENV_VAR = "TFUSE_SMALL_OP_ELEMENTS"
-#: The default of :func:`small_op_elements`: a starting rule (see the module docstring), to be re-measured on GPUs.
+#: The default of ``small_op_elements()``: a starting rule (see the module docstring), to be re-measured on GPUs.
 SMALL_OP_ELEMENTS = 32768
 
 
@@ -179,7 +179,7 @@ def select_backend(device: torch.device, op: str, elements: int | None = None) -
     """The backend that runs ``op`` on tensors of ``device``; ``elements``: the op's size, for the size rule.
 
     Ops that fuse elementwise work pass the elements of their largest
-    tensor; on CUDA in ``auto`` mode, fewer than :func:`small_op_elements`
+    tensor; on CUDA in ``auto`` mode, fewer than ``small_op_elements()``
     take the PyTorch path (see the module docstring).
 
     Raises:

@@ -56,12 +56,12 @@ MIN_WARMUP, DDP_MIN_WARMUP = 3, 11  # step 2 still makes state (FusedAdam's tabl
 
 
 class CapturedStep:
-    """A training step captured in one CUDA graph (see :func:`capture_step`).
+    """A training step captured in one CUDA graph (see :func:`tfuse.capture_step`).
 
-    ``step(*inputs)`` copies ``inputs`` (captured shapes and dtypes; ``non_blocking``) into :attr:`static_inputs`,
-    replays, and returns :attr:`static_outputs`: the same tensors at every call, **overwritten by the next replay**
+    ``step(*inputs)`` copies ``inputs`` (captured shapes and dtypes; ``non_blocking``) into ``static_inputs``,
+    replays, and returns ``static_outputs``: the same tensors at every call, **overwritten by the next replay**
     (``.clone()`` what you keep); :meth:`replay` does not copy. A replay first checks that no optimizer hyperparameter
-    changed. It keeps alive the graph, its memory pool (:attr:`pool`), the static tensors, optimizers and modules. The
+    changed. It keeps alive the graph, its memory pool (``pool``), the static tensors, optimizers and modules. The
     step's Python ran once: ``train()``/``eval()``, new parameters or state dicts, an LR scheduler called in the step
     are not replayed (call schedulers between steps, on a tensor lr).
     """

@@ -78,7 +78,7 @@ class FusedDataParallel(torch.nn.Module):
             gradients enabled. Forwards under ``torch.no_grad()`` run without
             any collective, so evaluating on one rank alone is safe.
         gradient_merge_steps: accumulate gradients locally for this many
-            backward passes, then all-reduce once (the seeds' gradient merge).
+            backward passes, then all-reduce once (PaddlePaddle's gradient merge pass).
         gradient_merge_avg: divide the merged gradient by
             ``gradient_merge_steps`` too (an average over micro-batches).
         find_unused_parameters: parameters that get no gradient in a backward

@@ -1,4 +1,4 @@
-"""LocalSGD and DiLoCo-style outer steps over tfuse's flat parameter buffers (the seeds' LocalSGD transpiler).
+"""LocalSGD and DiLoCo-style outer steps over tfuse's flat parameter buffers (PaddlePaddle's LocalSGD transpiler).
 
 Every rank trains on its own for ``sync_every`` iterations, then the ranks
 average their models: one all-reduce per flat parameter buffer, in place
@@ -70,8 +70,9 @@ class LocalSGD:
         iterations: iterations counted so far (:meth:`step` / :meth:`tick`).
         sync_every: the current interval (changes only with ``adaptive``).
         syncs: syncs done so far.
-        collectives_per_sync, bytes_per_sync: what one sync sends (parameters
+        collectives_per_sync: the collectives one sync launches (parameters
             and buffers), known from construction.
+        bytes_per_sync: the bytes one sync sends, known from construction.
 
     Example (every rank, after ``dist.init_process_group``)::
 

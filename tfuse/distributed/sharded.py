@@ -462,7 +462,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the state, with the layout it belongs to (see :mod:`._sharded_checkpoint`)."""
+        """This rank's shard of the state, with the layout it belongs to.
+
+        The format is written and read by ``tfuse.distributed._sharded_checkpoint``.
+        """
         return checkpoint.sharded_state_dict(self)
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ kernel can then update a whole buffer and one all-reduce move a whole
 bucket.
 
 The layout is stated once, by the FlatParams (:meth:`FlatParams.range_of`,
-:attr:`FlatParams.buckets`, :meth:`FlatParams.shards`), and read by everyone
+``FlatParams.buckets``, :meth:`FlatParams.shards`), and read by everyone
 who works on the buffers (optimizers, clipping, the all-reduce, sharding,
 averaging), who are handed the FlatParams explicitly; :func:`flat_params_of`
 serves set-up code that is handed plain parameters.

@@ -65,11 +65,17 @@ class FlatParams(_GradPath):
     parameter's strides: memory formats are kept. When the set of trainable
     parameters changes (a layer unfrozen), :meth:`sync_grads` (or
     :meth:`zero_grad`) lays the group out again: new buffers, ``param.data``
-    re-homed, values and gradients kept, and :attr:`layout_version`
+    re-homed, values and gradients kept, and ``layout_version``
     incremented so that holders of offsets (optimizers) know to follow. When a parameter's storage is replaced
     behind its back (``param.data = ...``, ``model.double()``, ...),
     :meth:`check_storage` re-homes it or raises; docs/architecture.md
     ("Storage replaced behind the buffers' back") lists the cases.
+
+    Attributes:
+        buckets: the all-reduce buckets, :class:`Bucket` views of the gradient
+            buffers in backward order (:meth:`set_buckets` re-cuts them).
+        layout_version: incremented at every re-layout; holders of offsets
+            compare it with the version they read.
 
     Example:
         >>> import torch
@@ -357,7 +363,7 @@ class FlatParams(_GradPath):
         trainable range is padded (zeros no parameter uses) to make them so.
         When the buffers are not padded for ``world_size`` yet, they are laid
         out again with that padding first (values and gradients kept,
-        :attr:`layout_version` bumped, as on any re-layout); create the
+        ``layout_version`` bumped, as on any re-layout); create the
         FlatParams with ``world_size=`` to lay it out once.
 
         Example:
@@ -420,7 +426,7 @@ class FlatParams(_GradPath):
     def set_buckets(self, bucket_mb: float | None, max_params_per_bucket: int | None = None) -> None:
         """Splits the gradient buffers into buckets again with new caps.
 
-        Only :attr:`buckets` changes: no storage moves, offsets stay, so an
+        Only ``buckets`` changes: no storage moves, offsets stay, so an
         optimizer that already uses this FlatParams is unaffected.
         """
         _check_options(bucket_mb, max_params_per_bucket, self.align_bytes)

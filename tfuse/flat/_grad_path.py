@@ -365,7 +365,7 @@ class _GradPath:
         is re-homed, or a clear error raised). A gradient set by hand
         (``param.grad = tensor``) is copied into the parameter's view; a
         parameter unfrozen since coalescing (or frozen) since the last layout
-        makes the group be laid out again (see :attr:`layout_version`).
+        makes the group be laid out again (see ``layout_version``).
         Optimizers call this before a fused step.
         """
         self.check_storage()

@@ -1,4 +1,4 @@
-"""FusionStrategy: which fusions :func:`tfuse.fuse_model` applies (the seeds' BuildStrategy switches)."""
+"""FusionStrategy: which fusions :func:`tfuse.fuse_model` applies (PaddlePaddle's BuildStrategy switches)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ class FusionStrategy:
     """Most parameters per all-reduce bucket (None: no count cap)."""
 
     gradient_merge_steps: int = 1
-    """Backward passes whose gradients are accumulated before one all-reduce and one step (the seeds'
-    gradient merge); ``gradient_merge_avg`` averages them (else sums)."""
+    """Backward passes whose gradients are accumulated before one all-reduce and one step (PaddlePaddle's
+    gradient merge pass); ``gradient_merge_avg`` averages them (else sums)."""
 
     gradient_merge_avg: bool = True
 

@@ -12,7 +12,7 @@ from tfuse.ops.depthwise import relu_depthwise_conv2d
 class FusedActDepthwiseConv2d(nn.Conv2d):
     """``act_out(conv2d(act_in(x)))`` for a depthwise ``nn.Conv2d`` (groups = in_channels = out_channels).
 
-    The seeds' ``fuse_relu_depthwise_conv``: the activation before a
+    PaddlePaddle's ``fuse_relu_depthwise_conv`` pass: the activation before a
     depthwise convolution (MobileNet's BN -> ReLU6 -> depthwise conv) is
     applied as the convolution reads its input, and backward recomputes it
     from the saved input, so the activation's output is never stored (one

@@ -1,6 +1,6 @@
 """``tfuse.functional.relu_depthwise_conv2d``: ``act_out(conv2d(act_in(x), w, b, groups=C))`` without storing act_in(x).
 
-The seeds' ``fuse_relu_depthwise_conv``: in a MobileNet block (BN -> ReLU ->
+PaddlePaddle's ``fuse_relu_depthwise_conv`` pass: in a MobileNet block (BN -> ReLU ->
 depthwise conv) the ReLU output exists only to be read by the convolution
 and kept for its weight gradient. Here it is never kept:
 
@@ -12,7 +12,7 @@ and kept for its weight gradient. Here it is never kept:
   backward one launch for dx plus one for dw/db (a deterministic reduction
   whose last programs merge the partials);
 * PyTorch path (CPU, and GPU shape classes where cuDNN is faster, see
-  :func:`depthwise_backend`): torch's activation and ``conv2d``, the
+  ``depthwise_backend``): torch's activation and ``conv2d``, the
   activation output freed after forward and recomputed in backward (one
   extra elementwise pass), so the memory saving holds on both paths.
 
@@ -76,7 +76,7 @@ def relu_depthwise_conv2d(
 
     A depthwise convolution (depth multiplier 1: ``weight`` is ``[C, 1, kH,
     kW]`` for ``x`` of ``C`` channels) whose input activation is fused into
-    its input read, the seeds' ``fuse_relu_depthwise_conv``. Backward keeps
+    its input read, PaddlePaddle's ``fuse_relu_depthwise_conv`` pass. Backward keeps
     ``x`` and ``weight`` only and recomputes the activation, so a BN -> ReLU
     -> depthwise conv block holds one activation-sized tensor less between
     forward and backward than ``F.relu`` + ``F.conv2d``.
@@ -100,7 +100,7 @@ def relu_depthwise_conv2d(
     output dtype; under ``torch.autocast`` the call runs in the autocast
     dtype, as ``F.conv2d`` does. On a CPU it runs the PyTorch path (torch's
     activation and conv2d); on CUDA the Triton kernels, except for the shape
-    classes where cuDNN measured faster (:func:`depthwise_backend`).
+    classes where cuDNN measured faster (``depthwise_backend``).
 
     Example:
         >>> import torch, tfuse

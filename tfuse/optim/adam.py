@@ -27,7 +27,7 @@ class FusedAdam(FlatOptimizer):
     Args:
         params: parameters or parameter groups, as for torch.optim, or a
             :class:`~tfuse.flat.FlatParams` (its parameters, updated in its
-            buffers; see :attr:`flat_params`).
+            buffers; see :attr:`~tfuse.optim.FlatOptimizer.flat_params`).
         lr: learning rate, a float or a 0-dim tensor (read once per step).
         betas: coefficients of the running averages of the gradient and its
             square (both floats or both 1-element tensors, as in torch).

@@ -114,7 +114,7 @@ class FusedSGD(FlatOptimizer):
 
 
 class FusedMomentum(FusedSGD):
-    """SGD with momentum (default 0.9), the seeds' ``momentum`` optimizer; see :class:`FusedSGD`.
+    """SGD with momentum (default 0.9), PaddlePaddle's ``momentum`` optimizer; see :class:`FusedSGD`.
 
     Example:
         >>> import torch
