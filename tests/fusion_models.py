@@ -93,7 +93,7 @@ class MLPBlock(nn.Module):
         x = x + self.down(self.act(self.up(self.norm(x))))
         h = F.silu(self.head_norm(x))
         # A bias add and an activation: tfuse.add_act, given shapes. Slope 0.25 is exact in float32, the type the
-        # kernels take scalars in (README, "Numerics"): this test checks the rewrite, not that rounding.
+        # kernels take scalars in (docs/differences.md, "Numerics"): this test checks the rewrite, not that rounding.
         return F.leaky_relu(h + self.bias, 0.25)
 
 

@@ -412,7 +412,7 @@ def activation_bytes_kept(fn, x: torch.Tensor, parameters) -> int:
                                                 ("hardswish", 2)])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_memory_kept_against_the_eager_pair(device, act, eager_tensors, inplace):
-    """What the README states: the fused pair keeps one activation tensor (its input); the eager pair keeps
+    """What docs/layers.md states: the fused pair keeps one activation tensor (its input); the eager pair keeps
     act(x) for the convolution, and x too where the activation's backward reads its input, in place or not."""
     pointwise = nn.Conv2d(4, 4, 1, device=device)  # makes x a fresh tensor an in-place activation may overwrite
     depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4, device=device)
