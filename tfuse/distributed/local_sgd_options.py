@@ -13,7 +13,9 @@ class OuterSGD:
     At every sync the snapshot ``S`` takes ``S -= lr * (G + momentum * buf)``
     (Nesterov) or ``S -= lr * buf`` (heavy ball), ``buf = momentum * buf + G``,
     ``G = mean over ranks of (S - param)``: torch.optim.SGD's maths with
-    ``G`` as the gradient. ``OuterSGD(lr=1.0)`` is plain model averaging.
+    ``G`` as the gradient. ``OuterSGD(lr=1.0, momentum=0.0, nesterov=False)``
+    is plain model averaging; the defaults (lr 0.7, Nesterov momentum 0.9) are
+    DiLoCo's.
 
     Example:
         >>> from tfuse.distributed import OuterSGD
