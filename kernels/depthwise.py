@@ -20,6 +20,14 @@ brought in, so DRAM sees each input about once.
 Padding is zeros *after* the activation (conv2d pads ``act_in(x)``), so
 masked lanes are zeroed after ``act_in``: sigmoid(0) or hardsigmoid(0) are not 0.
 
+AFFINE_IN (batch norm on load): ``x`` is normalised as it is loaded, ``z =
+(x - mean[c]) * scale[c] + bias[c]`` from batch norm's per-channel table
+(``t_ptr``: rows mean, 1/std, scale, bias; kernels/batch_norm.py), and
+``act_in`` applies to ``z``: a BN -> activation -> depthwise conv block whose
+normalised activation is never written. The dx kernel then writes ``dz``
+(the gradient at the batch norm's output), which batch norm's backward turns
+into dx.
+
 Kernels:
 
 * ``_dw_fwd_kernel``: one output tile, all taps; optional bias, ``act_out``
@@ -73,6 +81,13 @@ def _spatial_tile(pid, tiles_w, tiles_per_image, rows, cols, BLOCK_H: tl.constex
 
 
 @triton.jit
+def _table_row(t_ptr, row, c, cmask, C, BLOCK_P: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, ACC: tl.constexpr):
+    """Row ``row`` of batch norm's per-channel table for the tile's channels, in the tile's layout
+    (:func:`_tap_weights`' reasoning: broadcast where channels are the fastest axis)."""
+    return _tap_weights(t_ptr + row * C + c, cmask, BLOCK_P, CHANNELS_FASTEST, ACC)
+
+
+@triton.jit
 def _grad_of_z(gy_ptr, s_ptr, g_offsets, s_offsets, mask, ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                slope, MATH: tl.constexpr, ACC: tl.constexpr):
     """``gz = gy * act_out'``, loaded at output offsets (0 where masked)."""
@@ -108,14 +123,14 @@ def _tap_weights(w_ptrs, cmask, BLOCK_P: tl.constexpr, CHANNELS_FASTEST: tl.cons
 
 @triton.jit
 def _dw_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, t_ptr,
     C, H, W, OH, OW, tiles_w, tiles_per_image,
     sxn, sxc, sxh, sxw, syn, syc, syh, syw, swc, swh, sww,
     pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, MATH: tl.constexpr,
     INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
     """One output tile (``BLOCK_H x BLOCK_W`` pixels by BLOCK_C channels) of ``act_out(conv(act_in(x)) + b)``;
     ``z`` stored when STORE_Z.
@@ -132,6 +147,10 @@ def _dw_fwd_kernel(
         c = c.to(tl.int64)
     x_base = x_ptr + n * sxn + c * sxc
     w_base = w_ptr + c * swc  # [1, BLOCK_C]: weights load straight into the tile's layout
+    if AFFINE_IN:  # batch norm's per-channel mean, scale and bias, loaded once per program
+        t_mean = _table_row(t_ptr, 0, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+        t_scale = _table_row(t_ptr, 2, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+        t_bias = _table_row(t_ptr, 3, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
     acc = tl.zeros([BLOCK_H * BLOCK_W, BLOCK_C], ACC)
     for kh in range(0, KH):
         ih = oh * STRIDE_H - pad_h + kh * dil_h
@@ -140,6 +159,8 @@ def _dw_fwd_kernel(
             iw = ow * STRIDE_W - pad_w + kw * dil_w
             m = hmask & (iw >= 0) & (iw < W) & cmask
             xv = tl.load(x_base + ih * sxh + iw * sxw, mask=m, other=0.0).to(ACC)
+            if AFFINE_IN:  # (x - mean) first, as batch norm computes it: exact near the mean
+                xv = (xv - t_mean) * t_scale + t_bias
             a = tl.where(m, _activation(xv, ACT_IN, slope, MATH), 0.0)
             wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
             acc += a * wv
@@ -155,16 +176,17 @@ def _dw_fwd_kernel(
 
 @triton.jit
 def _dw_bwd_dx_kernel(
-    gy_ptr, s_ptr, x_ptr, w_ptr, dx_ptr,
+    gy_ptr, s_ptr, x_ptr, w_ptr, dx_ptr, t_ptr,
     C, H, W, OH, OW, tiles_w, tiles_per_image,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw, sdn, sdc, sdh, sdw, swc, swh, sww,
     pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
-    """One input tile of ``dx = act_in'(x) * sum_taps gz[oh, ow] * w[tap]``.
+    """One input tile of ``dx = act_in'(x) * sum_taps gz[oh, ow] * w[tap]`` (with AFFINE_IN: ``dz =
+    act_in'(z) * ...`` at batch norm's output ``z``, recomputed from x and the table).
 
     Input pixel (ih, iw) meets tap (kh, kw) at output row ``oh = (ih + pad_h -
     kh * dil_h) / STRIDE_H`` when that division is exact and in range (the
@@ -196,22 +218,27 @@ def _dw_bwd_dx_kernel(
             wv = _tap_weights(w_base + kh * swh + kw * sww, cmask, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
             acc += g * wv
     mask = pmask & cmask
-    xv = tl.load(x_ptr + n * sxn + c * sxc + ih * sxh + iw * sxw, mask=mask, other=0.0)
-    dx = _activation_backward(acc, xv.to(ACC), ACT_IN, slope, MATH)
+    xv = tl.load(x_ptr + n * sxn + c * sxc + ih * sxh + iw * sxw, mask=mask, other=0.0).to(ACC)
+    if AFFINE_IN:
+        t_mean = _table_row(t_ptr, 0, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+        t_scale = _table_row(t_ptr, 2, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+        t_bias = _table_row(t_ptr, 3, c, cmask, C, BLOCK_H * BLOCK_W, CHANNELS_FASTEST, ACC)
+        xv = (xv - t_mean) * t_scale + t_bias
+    dx = _activation_backward(acc, xv, ACT_IN, slope, MATH)
     dx_offsets = n * sdn + c * sdc + ih * sdh + iw * sdw
     tl.store(dx_ptr + dx_offsets, _cast_to(dx, dx_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
 @triton.jit
 def _dw_bwd_dw_partial_kernel(
-    gy_ptr, s_ptr, x_ptr, partial_ptr, dw_ptr, db_ptr, counter_ptr,
+    gy_ptr, s_ptr, x_ptr, partial_ptr, dw_ptr, db_ptr, counter_ptr, t_ptr,
     C, H, W, OH, OW, n_outputs, tiles_per_chunk,
     sgn, sgc, sgh, sgw, ssn, ssc, ssh, ssw, sxn, sxc, sxh, sxw, swc, swh, sww,
     pad_h, pad_w, dil_h, dil_w, slope_hi, slope_lo,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, ACT_IN: tl.constexpr,
     ACT_OUT: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, MATH: tl.constexpr, INDEX_64: tl.constexpr,
     ACC_FP64: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-    MK: tl.constexpr, MERGE_LOOP: tl.constexpr,
+    MK: tl.constexpr, MERGE_LOOP: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
     """dw/db in one launch: partial[chunk, tap, c] = sum over the chunk's outputs of gz * act_in(x at the tap),
     then the last program of each (tap, channel block) adds the chunks' partials up and stores dw[c, tap] or db[c].
@@ -234,6 +261,10 @@ def _dw_bwd_dw_partial_kernel(
     if INDEX_64:
         c = c.to(tl.int64)
     is_tap = (c * 0 + tap) < KH * KW  # per lane (masks are tensors); the program of tap KH * KW sums db
+    if AFFINE_IN:  # the dw programs walk flattened outputs, channels a row: no tile layout to match
+        t_mean = tl.load(t_ptr + c, mask=cmask, other=0.0).to(ACC)
+        t_scale = tl.load(t_ptr + 2 * C + c, mask=cmask, other=0.0).to(ACC)
+        t_bias = tl.load(t_ptr + 3 * C + c, mask=cmask, other=0.0).to(ACC)
     acc = tl.zeros([BLOCK_P, BLOCK_C], ACC)
     for t in range(0, tiles_per_chunk):
         q = (chunk * tiles_per_chunk + t) * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]
@@ -252,8 +283,10 @@ def _dw_bwd_dw_partial_kernel(
         ih = oh * STRIDE_H - pad_h + kh * dil_h
         iw = ow * STRIDE_W - pad_w + kw * dil_w
         xm = qmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & cmask & is_tap
-        xv = tl.load(x_ptr + n * sxn + ih * sxh + iw * sxw + c * sxc, mask=xm, other=0.0)
-        a = tl.where(xm, _activation(xv.to(ACC), ACT_IN, slope, MATH), 0.0)
+        xv = tl.load(x_ptr + n * sxn + ih * sxh + iw * sxw + c * sxc, mask=xm, other=0.0).to(ACC)
+        if AFFINE_IN:
+            xv = (xv - t_mean) * t_scale + t_bias
+        a = tl.where(xm, _activation(xv, ACT_IN, slope, MATH), 0.0)
         acc += g * tl.where(is_tap, a, 1.0)
     taps = tl.num_programs(0)  # KH * KW, plus one with a bias
     row = taps.to(tl.int64) * C  # a chunk's partials: taps rows of C (tap-major)

@@ -3,6 +3,7 @@
 from tfuse.ops.add import add
 from tfuse.ops.add_act import add_act
 from tfuse.ops.batch_norm import batch_norm_act
+from tfuse.ops.bn_depthwise import batch_norm_act_depthwise_conv2d
 from tfuse.ops.depthwise import relu_depthwise_conv2d
 
-__all__ = ["add", "add_act", "batch_norm_act", "relu_depthwise_conv2d"]
+__all__ = ["add", "add_act", "batch_norm_act", "batch_norm_act_depthwise_conv2d", "relu_depthwise_conv2d"]

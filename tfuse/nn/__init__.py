@@ -21,15 +21,18 @@ from tfuse.nn.batch_norm import (
     FusedSyncBatchNormAct,
     convert_sync_batchnorm,
 )
+from tfuse.nn.bn_depthwise import BatchNormBoundDepthwiseConv2d, FusedBatchNormActDepthwiseConv2d
 from tfuse.nn.depthwise import FusedActDepthwiseConv2d
 from tfuse.nn.linear import FusedLinear
 
 __all__ = [
+    "BatchNormBoundDepthwiseConv2d",
     "FusedActDepthwiseConv2d",
     "FusedAdd",
     "FusedAddAct",
     "FusedBatchNormAct1d",
     "FusedBatchNormAct2d",
+    "FusedBatchNormActDepthwiseConv2d",
     "FusedBiasAct",
     "FusedLinear",
     "FusedSyncBatchNormAct",

@@ -3,6 +3,10 @@
 The activation is applied to each input value as the convolution loads it:
 one launch forward, and in backward one launch for dx plus one for dw/db (a
 deterministic reduction whose last programs merge the partials).
+
+With ``table`` (batch norm's per-channel [mean, 1/std, scale, bias] rows,
+float32 or float64), each value is normalised before the activation
+(AFFINE_IN), and the dx launch writes the gradient at the batch norm's output.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def _static_meta(spec: ConvSpec, kernel: tuple[int, int], dtype: torch.dtype) ->
 
 
 def _forward_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec, table: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, c, h, w = x.shape
     kernel = (weight.shape[2], weight.shape[3])
@@ -142,6 +146,7 @@ def _forward_triton(
             bias if bias is not None else weight,
             y,
             z if z is not None else y,
+            table if table is not None else weight,
             c,
             h,
             w,
@@ -162,6 +167,7 @@ def _forward_triton(
             STORE_Z=z is not None,
             INDEX_64=needs_int64(_largest_offset((x, y), block, tiles.block_c, spec, kernel)),
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
+            AFFINE_IN=table is not None,
             **tiles.meta(),
         ),
         x.device,
@@ -177,12 +183,19 @@ def _backward_triton(
     saved_out: torch.Tensor | None,
     spec: ConvSpec,
     needed: tuple[bool, bool, bool],
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dw, db), None where not ``needed``; with ``table``, the first is the gradient at batch norm's output."""
     n, c, h, w = x.shape
     _, _, oh, ow = gy.shape
     kernel = (weight.shape[2], weight.shape[3])
     saved = saved_out if saved_out is not None else gy  # an unread placeholder when act_out is identity
-    meta = dict(_static_meta(spec, kernel, x.dtype), SAVED_IS_OUTPUT=spec.saved_output is GradSource.OUTPUT)
+    meta = dict(
+        _static_meta(spec, kernel, x.dtype),
+        SAVED_IS_OUTPUT=spec.saved_output is GradSource.OUTPUT,
+        AFFINE_IN=table is not None,
+    )
+    table_arg = table if table is not None else weight  # an unread placeholder without AFFINE_IN
     channels_last = _is_channels_last(x)
     dx = dw = db = None
     if needed[0]:
@@ -199,6 +212,7 @@ def _backward_triton(
                     x,
                     weight,
                     dx,
+                    table_arg,
                     c,
                     h,
                     w,
@@ -227,11 +241,11 @@ def _backward_triton(
     if needed[1] or want_bias:
         dw = torch.empty_like(weight)
         db = torch.empty_like(bias) if bias is not None else None
-        _weight_grads(gy, saved, x, dw, db, kernel, spec, meta, channels_last)
+        _weight_grads(gy, saved, x, dw, db, kernel, spec, meta, channels_last, table_arg)
     return dx, dw if needed[1] else None, db if want_bias else None
 
 
-def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_last: bool) -> None:  # type: ignore[no-untyped-def]
+def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_last: bool, table) -> None:  # type: ignore[no-untyped-def]
     """dw (and db) in one launch: partial rows per chunk of outputs, summed in chunk order by the last program
     of each (tap, channel block) to finish (kernels/depthwise.py)."""
     n, c, h, w = x.shape
@@ -260,6 +274,7 @@ def _weight_grads(gy, saved, x, dw, db, kernel, spec: ConvSpec, meta, channels_l
             dw,
             db if db is not None else dw,
             arrival_counters(rows * c_tiles, x.device),
+            table,
             c,
             h,
             w,
