@@ -18,7 +18,13 @@ from torch import fx, nn
 
 import tfuse
 from tfuse import FusionStrategy, fuse_model
-from tfuse.nn import FusedActDepthwiseConv2d, FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
+from tfuse.nn import (
+    BatchNormBoundDepthwiseConv2d,
+    FusedActDepthwiseConv2d,
+    FusedBatchNormAct1d,
+    FusedBatchNormAct2d,
+    FusedLinear,
+)
 
 from fusion_models import (
     EfficientNetish,
@@ -109,11 +115,26 @@ def test_without_shapes_the_residual_patterns_are_reported_not_guessed():
 
 
 def test_mobilenet_relu6_and_hardswish_are_fused():
-    fused, report = fuse_model(MobileNetish())
+    model = MobileNetish()
+    fused, report = fuse_model(model)
+    assert report.counts() == {
+        "BatchNorm2d+ReLU6+depthwise Conv2d": 1, "BatchNorm2d+ReLU6": 1, "BatchNorm2d+Hardswish": 1,
+    }
+    # BN -> ReLU6 -> depthwise conv: the convolution normalises and activates its input as it loads; the batch
+    # norm stays (uncalled) under its name, so the state dict keeps every key.
+    conv = fused.get_submodule("features.3")
+    assert type(conv) is BatchNormBoundDepthwiseConv2d and conv.act_in == "relu6"
+    assert conv.batch_norm is fused.get_submodule("features.1") and type(conv.batch_norm) is nn.BatchNorm2d
+    assert list(fused.state_dict()) == list(model.state_dict())
+    assert [fused.get_submodule(f"features.{i}").act for i in (4, 9)] == ["relu6", "hardswish"]
+    assert type(fused.get_submodule("features.7")) is nn.BatchNorm2d  # a linear bottleneck: no activation
+    assert not report.skipped
+    assert_same_computation(double(model), double(fused), (3, 3, 8, 8), train=True)
+    assert_same_computation(double(model), double(fused), (3, 3, 8, 8), train=False)
+    # Without that fusion, the batch norm keeps its activation and the convolution stays torch's.
+    fused, report = fuse_model(model, FusionStrategy(fuse_bn_act_depthwise_conv=False))
     assert report.counts() == {"BatchNorm2d+ReLU6": 2, "BatchNorm2d+Hardswish": 1}
     assert [fused.get_submodule(f"features.{i}").act for i in (1, 4, 9)] == ["relu6", "relu6", "hardswish"]
-    assert type(fused.get_submodule("features.7")) is nn.BatchNorm2d  # a linear bottleneck: no activation
-    # BN -> ReLU6 -> depthwise conv: the batch norm keeps its activation, the convolution stays torch's.
     assert type(fused.get_submodule("features.3")) is nn.Conv2d
     assert not report.skipped
 

@@ -5,6 +5,9 @@ Each activation node is looked at together with what it is applied to:
 * a BatchNorm1d/2d call -> the fused batch norm layer with that activation;
 * an add of a BatchNorm call and another tensor of its shape (shapes from
   ``example_inputs``) -> the fused layer with ``residual=`` the other tensor;
+* a BatchNorm2d call whose activation's only user is a depthwise nn.Conv2d
+  call -> the convolution normalises and activates its input as it loads
+  (``BatchNormBoundDepthwiseConv2d``; the batch norm module keeps its name);
 * an nn.Linear call -> FusedLinear with that activation;
 * otherwise, when the activation's only user is a depthwise nn.Conv2d call
   -> ``FusedActDepthwiseConv2d`` with that activation as ``act_in`` (a batch
@@ -39,6 +42,7 @@ from torch import fx, nn
 from tfuse.functional import add_act
 from tfuse.fusion import activations
 from tfuse.fusion.layers import (
+    bound_depthwise,
     depthwise_mismatch,
     fused_depthwise,
     fused_layer,
@@ -145,7 +149,9 @@ class Rewriter:
                     self._skip(source.target, f"is followed by {found.display}; {switch} is off in the strategy")
                     return False
                 if is_batch_norm(layer):
-                    return self._fuse_bn(node, found, source, residual=None)
+                    return self._fuse_bn_depthwise(node, found, source) or self._fuse_bn(
+                        node, found, source, residual=None
+                    )
                 return self._fuse_linear(node, found, source)
             reason = subclass_reason(layer)
             if reason is not None:
@@ -321,6 +327,47 @@ class Rewriter:
         self.graph.erase_node(act_node)
         self.report.fused.append(
             Fused(f"{found.display}+depthwise Conv2d", (act_node.name, conv_node.target), type(fused).__name__)
+        )
+        return True
+
+    def _fuse_bn_depthwise(self, act_node: fx.Node, found, bn_node: fx.Node) -> bool:
+        """BatchNorm2d -> activation -> depthwise conv: the convolution normalises and activates its input as it
+        loads, bound to the batch norm (which stays in the tree under its name, uncalled). False (nothing
+        reported) where the pattern is not there, so the batch norm + activation fusion is tried next."""
+        if not (self.strategy.fuse_bn_act_depthwise_conv and self.strategy.fuse_relu_depthwise_conv):
+            return False
+        bn = self.modules[bn_node.target]
+        if type(bn) is not nn.BatchNorm2d or len(act_node.users) != 1 or len(bn_node.users) != 1:
+            return False
+        (conv_node,) = act_node.users
+        if not (
+            conv_node.op == "call_module"
+            and is_grouped_conv(self.modules[conv_node.target])
+            and conv_node.args == (act_node,)
+            and not conv_node.kwargs
+            and len(bn_node.args) == 1
+            and not bn_node.kwargs
+        ):
+            return False
+        conv = self.modules[conv_node.target]
+        if depthwise_mismatch(conv, found.display) is not None or self.calls[conv_node.target] != 1:
+            return False
+        if self.calls[bn_node.target] != 1 or has_hooks(bn) or has_hooks(conv):
+            return False
+        if any(has_hooks(m) for m in self._act_module(act_node)):
+            return False
+        fused = self._take(conv_node.target, "bn-depthwise", found, lambda: bound_depthwise(bn, conv, found))
+        if fused is None:
+            return False
+        conv_node.args = (bn_node.args[0],)
+        self.graph.erase_node(act_node)
+        self.graph.erase_node(bn_node)
+        self.report.fused.append(
+            Fused(
+                f"BatchNorm2d+{found.display}+depthwise Conv2d",
+                (bn_node.target, act_node.name, conv_node.target),
+                type(fused).__name__,
+            )
         )
         return True
 

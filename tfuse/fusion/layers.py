@@ -11,7 +11,13 @@ from torch import nn
 from tfuse.fusion import activations
 from tfuse.fusion.activations import ActivationCall, Unsupported
 from tfuse.fusion.tracing import HOOK_ATTRIBUTES
-from tfuse.nn import FusedActDepthwiseConv2d, FusedBatchNormAct1d, FusedBatchNormAct2d, FusedLinear
+from tfuse.nn import (
+    BatchNormBoundDepthwiseConv2d,
+    FusedActDepthwiseConv2d,
+    FusedBatchNormAct1d,
+    FusedBatchNormAct2d,
+    FusedLinear,
+)
 
 #: Batch norm layers (exact types: a subclass may compute something else) -> their fused layer.
 FUSED_BATCH_NORM: dict[type, type] = {nn.BatchNorm1d: FusedBatchNormAct1d, nn.BatchNorm2d: FusedBatchNormAct2d}
@@ -107,6 +113,11 @@ def depthwise_mismatch(conv: nn.Conv2d, act: str) -> str | None:
     if conv.padding_mode != "zeros":
         return f"follows {act} but pads with padding_mode={conv.padding_mode!r}; the fused kernel pads with zeros"
     return None
+
+
+def bound_depthwise(bn: nn.BatchNorm2d, conv: nn.Conv2d, found: ActivationCall) -> nn.Module:
+    """The depthwise ``conv`` (parameters shared) normalising its input with ``bn`` and applying ``found``."""
+    return BatchNormBoundDepthwiseConv2d.from_modules(bn, conv, act=found.act, negative_slope=found.negative_slope)
 
 
 def fused_depthwise(conv: nn.Conv2d, found: ActivationCall) -> tuple[nn.Module, str]:

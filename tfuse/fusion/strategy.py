@@ -38,8 +38,14 @@ class FusionStrategy:
     fuse_relu_depthwise_conv: bool = True
     """An activation whose only user is a depthwise nn.Conv2d (groups = in_channels = out_channels, zero
     padding) -> ``FusedActDepthwiseConv2d`` with it as ``act_in`` (applied as the convolution reads its input,
-    recomputed in backward: its output is never stored). Any tfuse activation, not only ReLU. A batch norm or
-    Linear fusion keeps its activation (BN -> ReLU6 -> depthwise conv stays BN+ReLU6, then the conv)."""
+    recomputed in backward: its output is never stored). Any tfuse activation, not only ReLU. A Linear fusion
+    keeps its activation; a batch norm before it is the next switch's pattern."""
+
+    fuse_bn_act_depthwise_conv: bool = True
+    """nn.BatchNorm2d -> activation -> depthwise nn.Conv2d (MobileNetV2/V3, EfficientNet, MnasNet) -> the
+    convolution becomes ``BatchNormBoundDepthwiseConv2d``: it normalises its input with the batch norm (which
+    keeps its name and state) and applies the activation as it loads, so neither the normalised nor the
+    activated tensor is written. Off: the batch norm takes the activation (``fuse_bn_act``)."""
 
     fuse_all_optimizer_ops: bool = True
     """:func:`tfuse.setup`: a tfuse fused optimizer (one update launch per flat buffer) rather than torch.optim's."""
