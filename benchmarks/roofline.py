@@ -838,6 +838,41 @@ def depthwise_case(n: int, c: int, hw: int, kernel: int, stride: int, channels_l
     )
 
 
+def bn_depthwise_case(n: int, c: int, hw: int, kernel: int, stride: int, channels_last: bool, dtype: torch.dtype,
+                      act: str = "relu6") -> Case:
+    """batch_norm_act_depthwise_conv2d in training (float32 batch norm parameters, padding k // 2, no convolution
+    bias): forward (statistics, the normalising convolution), then backward into x, the batch norm's parameters
+    and the weight. The Triton path is forced, as for depthwise_case."""
+    out = (hw + 2 * (kernel // 2) - kernel) // stride + 1
+    x_numel, y_numel, k_numel, e = n * c * hw * hw, n * c * out * out, c * kernel * kernel, _esize(dtype)
+
+    def run(capture: Capture) -> None:
+        x = case_empty(n, c, hw, hw, dtype=dtype, channels_last=channels_last, requires_grad=True)
+        weight = case_empty(c, 1, kernel, kernel, dtype=dtype, requires_grad=True)
+        gamma, beta = (case_empty(c, dtype=torch.float32, requires_grad=True) for _ in range(2))
+        mean, var = case_empty(c, dtype=torch.float32), case_empty(c, dtype=torch.float32)
+        with tfuse.use_backend("triton"):
+            with capture.phase("fwd"):
+                y = tfuse.functional.batch_norm_act_depthwise_conv2d(
+                    x, mean, var, gamma, beta, weight, training=True, act=act, stride=stride, padding=kernel // 2)
+            with capture.phase("bwd"):
+                y.backward(torch.empty_like(y))
+
+    layout = "CL" if channels_last else "NCHW"
+    return Case(
+        name=f"bndw_{c}x{hw}x{hw}_k{kernel}s{stride}_{layout.lower()}_{_dtype_name(dtype)}",
+        family="batch norm + act + depthwise conv",
+        title=f"batch_norm_act_depthwise_conv2d({act}), {n}x{c}x{hw}x{hw} {layout} {_dtype_name(dtype)}, "
+              f"{kernel}x{kernel} stride {stride}, training forward and backward",
+        run=run,
+        phases=(
+            Phase("fwd", y_numel, (2 * x_numel + y_numel + k_numel) * e, "x twice (statistics, convolution), w, y"),
+            Phase("bwd", y_numel, (3 * x_numel + 2 * y_numel + 2 * k_numel) * e,
+                  "gy and x for dw and the sums, gy and x again for dx, dx, w, dw"),
+        ),
+    )
+
+
 def _model_shapes(model: str) -> list[tuple[int, ...]]:
     from benchmarks.optim import gpt2_small_shapes, resnet50_shapes
 
@@ -933,6 +968,11 @@ def cases() -> list[Case]:
     out.append(depthwise_case(128, 144, 56, 5, 2, True, torch.bfloat16, act="silu"))
     out.append(depthwise_case(128, 144, 56, 5, 2, False, torch.bfloat16, act="silu"))
     out.append(depthwise_case(128, 144, 56, 5, 2, True, torch.float32, act="silu"))
+    # The same layers with their batch norm fused in (MobileNetV2's expansion BN + ReLU6, EfficientNet-B0's SiLU).
+    for channels_last in (False, True):
+        out.append(bn_depthwise_case(128, 144, 56, 3, 1, channels_last, torch.bfloat16))
+    out.append(bn_depthwise_case(128, 240, 28, 5, 1, True, torch.bfloat16, act="silu"))
+    out.append(bn_depthwise_case(128, 192, 28, 3, 2, True, torch.float32))
     for model in ("resnet50", "gpt2"):
         for algorithm in ("adam", "sgd_momentum"):
             out.append(optim_case(algorithm, model, torch.float32, False))

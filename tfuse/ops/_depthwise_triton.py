@@ -57,10 +57,14 @@ class _Tiles:
         )
 
 
-def _tile_elements(kernel: tuple[int, int], dtype: torch.dtype) -> int:
+def _tile_elements(kernel: tuple[int, int], dtype: torch.dtype, affine: bool = False) -> int:
     """Elements of a program's tile: smaller for wide kernels and float64, whose taps hold more registers
-    (the sm_90 compile spilled 5x5 at 1024: benchmarks/results/sm90-kernels.md)."""
+    (the sm_90 compile spilled 5x5 at 1024: benchmarks/results/sm90-kernels.md), and for the forward of a
+    batch norm on load beyond 3x3 16-bit, whose three per-channel rows (mean, scale, bias) took 5x5 bfloat16
+    from 86 to 137 registers and 3x3 float32 from 80 to 110 at full tiles (sm_90 compile)."""
     elements = _TILE_ELEMENTS if kernel[1] <= 5 else _TILE_ELEMENTS // 2
+    if affine and (kernel[1] > 3 or dtype.itemsize > 2):
+        elements //= 2
     return elements // 2 if dtype == torch.float64 else elements
 
 
@@ -135,7 +139,7 @@ def _forward_triton(
     z = _empty_like_layout(x, (n, c, oh, ow)) if source is GradSource.INPUT else None
     if y.numel() == 0:
         return y, (y if source is GradSource.OUTPUT else z)
-    tiles = _spatial_tiles(c, oh, ow, _is_channels_last(x), _tile_elements(kernel, x.dtype))
+    tiles = _spatial_tiles(c, oh, ow, _is_channels_last(x), _tile_elements(kernel, x.dtype, table is not None))
     block = max(tiles.block_h, tiles.block_w)
     launch(
         kernels._dw_fwd_kernel,
