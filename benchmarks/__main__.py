@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ["add", "add_act", "linear", "bn_act", "depthwise", "optim", "allreduce", "sharded", "overlap", "localsgd", "compile", "e2e", "host"]  # module names under benchmarks/, each with NAME and run()
+BENCHMARKS = ["add", "add_act", "linear", "bn_act", "depthwise", "bn_depthwise", "optim", "allreduce", "sharded", "overlap", "localsgd", "compile", "e2e", "host"]  # module names under benchmarks/, each with NAME and run()
 
 
 def default_out_dir() -> Path:
