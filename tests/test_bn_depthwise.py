@@ -9,18 +9,18 @@ within twice the error of the same eager composition run in that dtype (the algo
 from __future__ import annotations
 
 import copy
-import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import torch_activation
 from torch import nn
 
 import tfuse
 from tfuse.functional import batch_norm_act_depthwise_conv2d
 from tfuse.nn import BatchNormBoundDepthwiseConv2d, FusedBatchNormActDepthwiseConv2d
-
-from helpers import torch_activation
 
 ACTS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "relu6", "hardtanh", "hardswish",
         "hardsigmoid", "mish", "elu", "identity"]
@@ -222,3 +222,66 @@ def test_traces_without_a_graph_break():
     expected = copy.deepcopy(block)(x)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+class _MBConv(nn.Module):
+    """EfficientNet-B0's block: expand 1x1, BN, SiLU, depthwise 5x5, BN, SiLU, squeeze-excite, project 1x1, BN."""
+
+    def __init__(self, c: int, expand: int = 4) -> None:
+        super().__init__()
+        h = c * expand
+        self.expand = nn.Sequential(nn.Conv2d(c, h, 1, bias=False), nn.BatchNorm2d(h), nn.SiLU())
+        self.depthwise = nn.Sequential(nn.Conv2d(h, h, 5, padding=2, groups=h, bias=False), nn.BatchNorm2d(h),
+                                       nn.SiLU())
+        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(h, 4, 1), nn.SiLU(), nn.Conv2d(4, h, 1),
+                                nn.Sigmoid())
+        self.project = nn.Sequential(nn.Conv2d(h, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        h = self.depthwise(self.expand(x))
+        return x + self.project(h * self.se(h))
+
+
+@pytest.mark.parametrize("net", ["mobilenet_v2", "efficientnet"])
+def test_fused_networks_run_the_block_and_compute_what_the_originals_do(net):
+    """MobileNetV2 (benchmarks/e2e_models.py, torchvision's layout) and EfficientNet-B0 blocks, fused by fuse_model:
+    the depthwise convolutions after a BatchNorm2d + activation become the fused block, and the fused network
+    equals the original in train and eval mode (float64), on the Triton kernels (interpreted) where it is small."""
+    torch.manual_seed(0)
+    if net == "mobilenet_v2":
+        root = Path(__file__).resolve().parents[1]
+        if not (root / "benchmarks" / "e2e_models.py").is_file():
+            pytest.skip("needs the source tree: benchmarks/ (the in-repo MobileNetV2) is not installed")
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        from benchmarks.e2e_models import MobileNetV2
+
+        model, shape, blocks, backend = MobileNetV2(0.25, num_classes=10), (2, 3, 32, 32), 16, "torch"
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.SiLU(), _MBConv(8))
+        shape, blocks, backend = (2, 3, 8, 8), 1, "triton"
+    model = model.double()
+    fused, report = tfuse.fuse_model(model)
+    assert report.counts().get(f"BatchNorm2d+{'ReLU6' if net == 'mobilenet_v2' else 'SiLU'}+depthwise Conv2d") == blocks
+    assert sum(type(m) is BatchNormBoundDepthwiseConv2d for m in fused.modules()) == blocks
+    assert list(fused.state_dict()) == list(model.state_dict())
+    for train in (True, False):
+        reference, candidate = copy.deepcopy(model).train(train), copy.deepcopy(fused).train(train)
+        x = torch.randn(shape, dtype=torch.float64)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(1)  # the same dropout mask for both (MobileNetV2's classifier)
+        with tfuse.use_backend(backend), tfuse.count_launches() as launches:
+            yb = candidate(xb)
+            yb.sum().backward()
+        torch.manual_seed(1)
+        ya = reference(xa)
+        ya.sum().backward()
+        torch.testing.assert_close(yb, ya, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-9, atol=1e-9)
+        for (name, a), b in zip(reference.named_parameters(), candidate.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-9, msg=name)
+        for (name, a), b in zip(reference.state_dict().items(), candidate.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)  # running statistics
+        if backend == "triton":
+            assert launches.by_kernel["_dw_fwd_kernel"] == blocks
+            assert launches.by_kernel["_dw_bwd_dx_kernel"] == blocks
