@@ -43,9 +43,8 @@ def _benchmarks(ctx: Context) -> list[triton.testing.Benchmark]:
     elif ctx.quick:
         batch, layers, formats = 2, [small(MOBILENET_V2[6], channels=16)], [(torch.float32, True)]
     else:
-        batch = 8
-        layers = [small(MOBILENET_V2[2], channels=32), small(MOBILENET_V2[7], channels=384),
-                  small(EFFICIENTNET_B0[0], size=28)]
+        batch = 4
+        layers = [small(MOBILENET_V2[4], channels=96), small(EFFICIENTNET_B0[0], channels=48, size=28)]
         formats = [(torch.float32, True), (torch.float32, False)]
     return [
         triton.testing.Benchmark(
