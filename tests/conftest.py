@@ -34,6 +34,9 @@ if not ON_CUDA:
 
 import tfuse  # noqa: E402  (after the interpreter switch, on purpose)
 
+# Importing tfuse with the interpreter on also skips the interpreter's unasserted int32 overflow checks (work it
+# discards: values and checks unchanged; tfuse/_interpreter.py).
+
 # The tests exercise the kernels at small shapes; on a GPU the size rule (tfuse._backend) would send those
 # to the PyTorch path. tests/test_launch_seam.py tests the rule itself.
 os.environ.setdefault("TFUSE_SMALL_OP_ELEMENTS", "0")

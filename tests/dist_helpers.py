@@ -45,6 +45,10 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, init_file: str, result
                 kwargs: dict, environ: dict[str, str]) -> None:
     os.environ.clear()  # the caller's environment now (the fork server's is from when it started)
     os.environ.update(environ)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tfuse._interpreter import install
+
+        install()  # as importing tfuse does in the test process (a server started without the interpreter on)
     torch.set_num_threads(1)  # ranks share the machine's cores
     torch.manual_seed(1000 + rank)
     outcome = RankResult()
@@ -65,12 +69,16 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, init_file: str, result
             pass
 
 
-_PRELOAD = ["torch", "torch.distributed", "tfuse"]
+# torch._dynamo too: torch.optim imports it at a rank's first optimizer, and tfuse registers its ops then
+# (tfuse.ops.register_library): about 3 s of CPU in every rank of every world, paid once in the server instead.
+# It starts no thread (the server stays safe to fork) and comes before any process group, as in scripts.
+_PRELOAD = ["torch", "torch.distributed", "tfuse", "torch._dynamo"]
 
 
 def _rank_context() -> multiprocessing.context.BaseContext:
-    """Ranks fork from a server that imported torch and tfuse once (a fresh, single-threaded process: safe to
-    fork), instead of each importing them again (seconds of CPU per rank); spawn where there is no fork server."""
+    """Ranks fork from a server that imported torch, tfuse and torch._dynamo once (a fresh, single-threaded
+    process: safe to fork), instead of each importing them again (seconds of CPU per rank); spawn where there is
+    no fork server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")

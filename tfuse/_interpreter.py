@@ -10,6 +10,14 @@ launch (26 s of a 41 s benchmark run, measured with cProfile). While a grid's
 swap is in place, a helper's is skipped here; the grid's is made and undone
 exactly as Triton does. Values are unchanged: only the redundant work goes.
 
+The interpreter also sanitizes every int32 add, sub and mul: it casts both
+operands to int64, computes the op again, compares the result with the int32
+range and hands that to ``device_assert``, which drops it unless the builder
+runs with ``debug`` on; the interpreter's never does. That discarded work was
+up to half of an interpreted launch. :func:`skip_unasserted_overflow_checks`
+skips it while ``debug`` is off, as ``device_assert`` itself would: nothing
+that was checked goes unchecked, and no value changes.
+
 Installed by :func:`install` (tfuse calls it when its kernels are
 interpreted); a Triton without these internals is left as it is.
 
@@ -35,11 +43,40 @@ class _KeptScope:
         return None
 
 
+def skip_unasserted_overflow_checks() -> bool:
+    """Skips the interpreter's int32 overflow check while ``debug`` is off (module docstring); returns whether it
+    is installed. Only where ``device_assert``, the check's one reader, itself returns when debug is off."""
+    import inspect
+
+    try:
+        from triton.language.semantic import TritonSemantic
+
+        real = TritonSemantic.binary_op_sanitize_overflow_impl
+        source = inspect.getsource(TritonSemantic.device_assert)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    if getattr(real, "__wrapped__", None) is not None:
+        return True  # installed already
+    if "if not self.builder.options.debug" not in source:
+        return False
+
+    def sanitize(self: Any, lhs: Any, rhs: Any, binary_op: Any) -> Any:
+        if not getattr(self.builder.options, "debug", True):
+            return None
+        return real(self, lhs, rhs, binary_op)
+
+    sanitize.__wrapped__ = real  # type: ignore[attr-defined]
+    TritonSemantic.binary_op_sanitize_overflow_impl = sanitize
+    return True
+
+
 def install() -> bool:
-    """Makes nested helper calls reuse the enclosing grid's patch; returns whether it is installed."""
+    """Makes nested helper calls reuse the enclosing grid's patch, and skips the unasserted int32 overflow checks;
+    returns whether the first is installed."""
     global _installed
     if _installed:
         return True
+    skip_unasserted_overflow_checks()
     try:
         import triton.runtime.interpreter as interpreter
 
