@@ -135,6 +135,9 @@ def run(ctx: Context) -> Report:
     on_gpu = device.type == "cuda"
     rows: list[dict[str, Any]] = []
     models = _models(ctx.quick, on_gpu)
+    # A --quick smoke run compiles with aot_eager (dynamo and AOTAutograd, fullgraph checked; no inductor code
+    # generation, which costs most of the run on a CPU); its notes say so. Full runs compile with inductor.
+    backend = "aot_eager" if ctx.quick else "inductor"
     progress = Progress(NAME, len(models))
     for name, make_torch, make_tfuse, shape in models:
         torch.manual_seed(0)
@@ -155,7 +158,7 @@ def run(ctx: Context) -> Report:
                     if is_tfuse
                     else torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
                 )
-                forward = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
+                forward = torch.compile(model, fullgraph=True, dynamic=False, backend=backend) if compiled else model
                 fns[label] = _step(forward, optimizer, x)
             if on_gpu:
                 fns["CUDA graph tfuse"] = _graphed(copy.deepcopy(fused), x)
@@ -188,10 +191,16 @@ def run(ctx: Context) -> Report:
         "Inductor's code of tfuse's ops' PyTorch path (traced ops do not hand Inductor tfuse's Triton kernels yet).",
         "'x faster than eager torch' / 'than compiled torch': the torch row's time over this row's (above 1: faster).",
     ]
+    if ctx.quick:
+        notes.append(
+            "Quick run (--quick, a smoke run): the compiled rows are torch.compile's aot_eager backend (dynamo and "
+            "AOTAutograd, no inductor code generation); full runs compile with inductor."
+        )
     if not on_gpu:
         notes.append(
             "CPU run: eager tfuse runs its PyTorch path (tfuse.use_backend('torch')), not the Triton interpreter; "
-            "compiled rows are Inductor's C++ code. Eager tfuse's Triton kernels and the CUDA-graph row need a GPU run."
+            + ("" if ctx.quick else "compiled rows are Inductor's C++ code. ")
+            + "Eager tfuse's Triton kernels and the CUDA-graph row need a GPU run."
         )
     notes.append(f"tfuse {tfuse.__version__}, torch {torch.__version__}.")
     return Report(

@@ -62,12 +62,14 @@ def rank_group(rank: int, world: int, backend: str, init_file: str) -> Iterator[
 
 
 def _rank_context() -> multiprocessing.context.BaseContext:
-    """Ranks fork from a server that imported torch and tfuse once (a fresh process that initialised no CUDA,
-    so safe to fork) instead of each importing them again; spawn where there is no fork server."""
+    """Ranks fork from a server that imported torch, tfuse and torch._dynamo once (a fresh process that
+    initialised no CUDA and started no thread, so safe to fork) instead of each importing them again; spawn where
+    there is no fork server. (torch.optim imports torch._dynamo at a rank's first optimizer, and tfuse registers
+    its ops then: about 3 s of CPU per rank.)"""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "tfuse"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "tfuse", "torch._dynamo"])
     return context
 
 

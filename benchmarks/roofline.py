@@ -608,15 +608,19 @@ def _tool(name: str) -> str:
     return str(ptxas.with_name(name))
 
 
-def _ptxas_flags(options: Any, arch: int) -> list[str]:
-    """The flags Triton's make_cubin gives ptxas (so the register figures are the cubin's)."""
+@functools.cache
+def _make_cubin_source() -> str:
     from triton.backends.nvidia import compiler as nvidia
 
-    source = inspect.getsource(nvidia.CUDABackend.make_cubin)
+    return inspect.getsource(nvidia.CUDABackend.make_cubin)
+
+
+def _ptxas_flags(options: Any, arch: int) -> list[str]:
+    """The flags Triton's make_cubin gives ptxas (so the register figures are the cubin's)."""
     flags = ["-lineinfo", "-v"]
     if not getattr(options, "enable_fp_fusion", True):
         flags.append("--fmad=false")
-    if "regAllocOptLevel=2" in source:
+    if "regAllocOptLevel=2" in _make_cubin_source():
         flags.append("--regAllocOptLevel=2")
     if getattr(options, "ptx_options", None):
         flags += options.ptx_options.split()
@@ -640,20 +644,52 @@ def _ptxas_log() -> Iterator[io.StringIO]:
         nvidia.dump_ptxas_log = previous
 
 
+_RERUN_LOG = "ptxas-v.log"
+
+
+def _rerun_log(ptx: str, flags: list[str], log: str | None = None) -> str | None:
+    """The output of ``ptxas <flags>`` on ``ptx`` kept from an earlier run (None when there is none), or, given
+    ``log``, keeps it: in Triton's cache folder, under a key of the PTX, the flags and the ptxas binary (path,
+    size and modification time), so a changed input or another ptxas runs it again. A cache that cannot be
+    used (no cache folder) only means ptxas runs each time."""
+    ptxas = Path(_tool("ptxas"))
+    stat = ptxas.stat()
+    digest = hashlib.sha256()
+    for part in ("benchmarks.roofline ptxas -v", str(ptxas), str(stat.st_size), str(stat.st_mtime_ns), *flags, ptx):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    try:
+        from triton.runtime.cache import get_cache_manager
+
+        cache = get_cache_manager(digest.hexdigest())
+        if log is not None:
+            cache.put(log, _RERUN_LOG, binary=False)
+            return log
+        path = cache.get_file(_RERUN_LOG)
+        return Path(path).read_text() if path else None
+    except (ImportError, OSError, RuntimeError):
+        return log
+
+
 def ptxas_resources(ptx: str, cubin: bytes, name: str, options: Any, arch: int, log: str = "") -> dict[str, int]:
     """Registers, spill stores/loads and stack frame in bytes (``ptxas -v``), and the cubin's own figures.
 
     ``log`` is Triton's own ptxas -v output for this PTX when it ran ptxas; otherwise (a cache hit)
-    ptxas runs again on the PTX with Triton's flags.
+    ptxas runs again on the PTX with Triton's flags (its output kept beside Triton's cache, keyed by the PTX,
+    the flags and the ptxas binary: ptxas is deterministic, so a later run reads it instead of running it again).
     """
     with tempfile.TemporaryDirectory() as folder:
         ptx_path, out_path, cubin_path = (Path(folder) / n for n in ("k.ptx", "k.o", "k.cubin"))
         cubin_path.write_bytes(cubin)
         if not re.search(r"Used \d+ registers", log):
-            ptx_path.write_text(ptx)
-            rerun = subprocess.run([_tool("ptxas"), *_ptxas_flags(options, arch), str(ptx_path), "-o", str(out_path)],
-                                   capture_output=True, text=True, check=True)
-            log = rerun.stdout + rerun.stderr
+            flags = _ptxas_flags(options, arch)
+            log = _rerun_log(ptx, flags)
+            if log is None:
+                ptx_path.write_text(ptx)
+                rerun = subprocess.run([_tool("ptxas"), *flags, str(ptx_path), "-o", str(out_path)],
+                                       capture_output=True, text=True, check=True)
+                log = rerun.stdout + rerun.stderr
+                _rerun_log(ptx, flags, log)
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin_path)], capture_output=True, text=True,
                                check=True).stdout
     text = log
