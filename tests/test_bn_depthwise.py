@@ -118,7 +118,10 @@ def test_low_precision_within_the_eager_compositions_rounding(dtype, backend):
     def err(a, ref):
         return (a.double() - ref).abs().max().item()
 
-    unit = torch.finfo(dtype).eps
+    # Statistics and parameter gradients are sums over the n = N*H*W values of a channel, in float32: their
+    # rounding error grows like sqrt(n) ulps. (torch's CPU batch norm accumulates its float32 statistics in
+    # float64, so eager's own float32 error can be far under that.)
+    unit = torch.finfo(dtype).eps * (params["x"].numel() / params["x"].shape[1]) ** 0.5
     assert err(y, y64) <= 2 * err(y_eager, y64) + 4 * unit * y64.abs().max().item()
     for name in g64:
         ref = g64[name]

@@ -105,5 +105,5 @@ def test_triton_is_a_linux_only_dependency_and_the_license_is_shipped():
     (dependencies,) = re.findall(r"^dependencies = \[(.*)\]$", text, flags=re.M)
     (triton,) = [d.strip(' "') for d in dependencies.split(",") if "triton" in d]
     assert triton == "triton>=3.6; sys_platform == 'linux'"
-    assert 'license = { text = "Apache-2.0" }' in text
+    assert 'license = "Apache-2.0"' in text and 'license-files = ["LICENSE"]' in text  # SPDX, and the file shipped
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License\n                           Version 2.0")
