@@ -87,3 +87,23 @@ def fx_leaf_call(module: torch.nn.Module, *args: Any) -> fx.Proxy | None:
             f"the root of a trace; trace a model that contains it, e.g. torch.nn.Sequential(module)"
         )
     return tracer.create_proxy("call_module", path, args, {})
+
+
+def batch_norm_call(bn: torch.nn.Module) -> dict[str, Any]:
+    """The statistics arguments of one call of a batch norm module, chosen exactly as torch's
+    ``_BatchNorm.forward`` chooses them (``num_batches_tracked`` counted; ``momentum=None`` is the cumulative
+    average ``1 / num_batches_tracked``): running statistics (None where batch statistics are used without
+    tracking), ``training`` (batch statistics or not) and ``momentum``, as keyword arguments of tfuse's ops."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:  # cumulative moving average
+            factor = 1.0 / float(bn.num_batches_tracked)
+    use_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+    tracked = not bn.training or bn.track_running_stats
+    return {
+        "running_mean": bn.running_mean if tracked else None,
+        "running_var": bn.running_var if tracked else None,
+        "training": use_batch_stats,
+        "momentum": factor,
+    }

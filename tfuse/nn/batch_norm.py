@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tfuse import functional as F
-from tfuse.nn._common import act_kwargs, act_repr, fx_leaf_call, resolve_activation, torch_activation
+from tfuse.nn._common import act_kwargs, act_repr, batch_norm_call, fx_leaf_call, resolve_activation, torch_activation
 
 #: Whether this torch's BatchNorm takes ``bias=`` (2.13 does; older versions may not);
 #: tfuse's layers take it either way.
@@ -57,27 +57,12 @@ class _FusedBatchNormActMixin:
 
     def _fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         self._check_input_dim(x)  # type: ignore[attr-defined]
-        # Momentum and statistics choice exactly as torch's _BatchNorm.forward.
-        if self.momentum is None:  # type: ignore[attr-defined]
-            factor = 0.0
-        else:
-            factor = self.momentum  # type: ignore[attr-defined]
-        tracking = self.training and self.track_running_stats  # type: ignore[attr-defined]
-        if tracking and self.num_batches_tracked is not None:  # type: ignore[attr-defined]
-            self.num_batches_tracked.add_(1)  # type: ignore[attr-defined]
-            if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)  # type: ignore[attr-defined]
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)  # type: ignore[attr-defined]
-        tracked = not self.training or self.track_running_stats  # type: ignore[attr-defined]
         return F.batch_norm_act(
             x,
-            self.running_mean if tracked else None,  # type: ignore[attr-defined]
-            self.running_var if tracked else None,  # type: ignore[attr-defined]
-            self.weight,  # type: ignore[attr-defined]
-            self.bias,  # type: ignore[attr-defined]  (None with bias=False: a weight alone, as F.batch_norm takes)
-            training=use_batch_stats,
-            momentum=factor,
+            weight=self.weight,  # type: ignore[attr-defined]
+            bias=self.bias,  # type: ignore[attr-defined]  (None with bias=False: a weight alone, as F.batch_norm takes)
             eps=self.eps,  # type: ignore[attr-defined]
+            **batch_norm_call(self),
             residual=residual,
             **act_kwargs(self.act, self.negative_slope),
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfuse.nn._common import fx_leaf_call, resolve_activation, slope_value
+from tfuse.nn._common import batch_norm_call, fx_leaf_call, resolve_activation, slope_value
 from tfuse.nn.depthwise import FusedActDepthwiseConv2d
 from tfuse.ops.bn_depthwise import batch_norm_act_depthwise_conv2d
 
@@ -28,24 +28,14 @@ def _check_pair(bn: object, conv: object, owner: str) -> None:
 
 def _run(bn: nn.BatchNorm2d, conv: nn.Conv2d, x: torch.Tensor, act: str, negative_slope: float | None):
     """The block's call with ``bn``'s statistics choice and momentum exactly as ``nn.BatchNorm2d.forward``."""
-    factor = 0.0 if bn.momentum is None else bn.momentum
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-        if bn.momentum is None:  # cumulative moving average
-            factor = 1.0 / float(bn.num_batches_tracked)
-    use_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-    tracked = not bn.training or bn.track_running_stats
     return batch_norm_act_depthwise_conv2d(
         x,
-        bn.running_mean if tracked else None,
-        bn.running_var if tracked else None,
-        bn.weight,
-        bn.bias,
-        conv.weight,
-        conv.bias,
-        training=use_batch_stats,
-        momentum=factor,
+        bn_weight=bn.weight,
+        bn_bias=bn.bias,
+        conv_weight=conv.weight,
+        conv_bias=conv.bias,
         eps=bn.eps,
+        **batch_norm_call(bn),
         act=act,
         negative_slope=negative_slope,
         stride=conv.stride,

@@ -20,23 +20,7 @@ def _forward(spec: _BatchNormSpec, plan: _ForwardPlan | None, x, weight, bias, r
     res = residual if residual is not None else x
     normalise = plan.normalise
     if spec.use_batch_stats:
-        buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=device)
-        update = spec.update_running
-        plan.stats(
-            (
-                x,
-                buf,
-                running_mean if update else buf,
-                running_var if update else buf,
-                weight if weight is not None else buf,
-                bias if bias is not None else buf,
-                plan.counters.ready(),
-                *plan.stats.ints,
-                *spec.eps_split,
-                *spec.momentum_split,
-            ),
-            device,
-        )
+        buf = _statistics(spec, plan, x, weight, bias, running_mean, running_var)
         normalise(
             (x, res, y, buf, buf, buf, buf, *normalise.ints, *spec.eps_split, *spec.slope_split),
             device,
@@ -58,6 +42,29 @@ def _forward(spec: _BatchNormSpec, plan: _ForwardPlan | None, x, weight, bias, r
         device,
     )
     return y, None
+
+
+def _statistics(spec: _BatchNormSpec, plan: _ForwardPlan, x, weight, bias, running_mean, running_var):
+    """The statistics pass of a training forward (x not empty): returns the buffer whose first 4 * C elements are
+    the per-channel table [mean, 1/std, scale, bias]; the running statistics are updated in place."""
+    buf = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=x.device)
+    update = spec.update_running
+    plan.stats(
+        (
+            x,
+            buf,
+            running_mean if update else buf,
+            running_var if update else buf,
+            weight if weight is not None else buf,
+            bias if bias is not None else buf,
+            plan.counters.ready(),
+            *plan.stats.ints,
+            *spec.eps_split,
+            *spec.momentum_split,
+        ),
+        x.device,
+    )
+    return buf
 
 
 def _backward_kernels(spec, plan, dy, x, weight, bias, src, residual, stats, running, needs, residual_dtype) -> tuple:

@@ -44,7 +44,7 @@ from tfuse._kit import acc_dtype
 from tfuse.ops._activations import Activation, GradSource
 from tfuse.ops._bn_checks import _check_call
 from tfuse.ops._bn_geometry import _layout
-from tfuse.ops._bn_passes import _backward_kernels
+from tfuse.ops._bn_passes import _backward_kernels, _statistics
 from tfuse.ops._bn_plans import _BatchNormSpec, _plan_of, _spec
 from tfuse.ops._depthwise_args import (
     ConvSpec,
@@ -275,23 +275,7 @@ def _forward_triton_block(block: _Block, x, running_mean, running_var, weight, b
         table = torch.zeros((4, x.shape[1]), dtype=acc_dtype(x.dtype), device=x.device)
     elif spec.use_batch_stats:
         plan = _plan(block, x, weight, bias, running_mean, running_var)
-        stats = torch.empty(plan.buf_size, dtype=plan.acc_dtype, device=x.device)
-        update = spec.update_running
-        plan.stats(
-            (
-                x,
-                stats,
-                running_mean if update else stats,
-                running_var if update else stats,
-                weight if weight is not None else stats,
-                bias if bias is not None else stats,
-                plan.counters.ready(),
-                *plan.stats.ints,
-                *spec.eps_split,
-                *spec.momentum_split,
-            ),
-            x.device,
-        )
+        stats = _statistics(spec, plan, x, weight, bias, running_mean, running_var)
         table = stats  # its first 4 * C elements are the table
     else:
         table = _eval_table(x, running_mean, running_var, weight, bias, spec.eps)
