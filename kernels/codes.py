@@ -44,3 +44,7 @@ NORM_INF = 3
 SEG_LANE = 0
 SEG_ONE = 1
 SEG_PACKED = 2
+
+# Where the channel of an element is in the group/layer norm view [N, G, A, B] (kernels/norm_act.py).
+NORM_CH_A = 0  # channel g * A + a (group norm, NCHW)
+NORM_CH_B = 1  # channel g * B + b (group norm, channels_last; layer norm)

@@ -1,7 +1,8 @@
 """Drop-in ``nn.Module`` wrappers over tfuse's fused ops.
 
 Every layer that subclasses a torch layer (``FusedLinear``,
-``FusedBatchNormAct1d/2d``, ``FusedSyncBatchNormAct``, ``FusedActDepthwiseConv2d``) takes that layer's
+``FusedBatchNormAct1d/2d``, ``FusedSyncBatchNormAct``, ``FusedActDepthwiseConv2d``,
+``FusedGroupNormAct``, ``FusedLayerNormAct``) takes that layer's
 positional and keyword arguments and, by default, computes what it computes;
 tfuse's own options (``act``, ``negative_slope``) are keyword-only, and the
 activation is identity until you name one. Under ``torch.fx`` every tfuse
@@ -24,6 +25,7 @@ from tfuse.nn.batch_norm import (
 from tfuse.nn.bn_depthwise import BatchNormBoundDepthwiseConv2d, FusedBatchNormActDepthwiseConv2d
 from tfuse.nn.depthwise import FusedActDepthwiseConv2d
 from tfuse.nn.linear import FusedLinear
+from tfuse.nn.norm_act import FusedGroupNormAct, FusedLayerNormAct
 
 __all__ = [
     "BatchNormBoundDepthwiseConv2d",
@@ -34,6 +36,8 @@ __all__ = [
     "FusedBatchNormAct2d",
     "FusedBatchNormActDepthwiseConv2d",
     "FusedBiasAct",
+    "FusedGroupNormAct",
+    "FusedLayerNormAct",
     "FusedLinear",
     "FusedSyncBatchNormAct",
     "convert_sync_batchnorm",
