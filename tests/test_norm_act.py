@@ -482,3 +482,35 @@ def test_torch_path_survives_torch_channels_last_weight_only_backward():
     F.silu(F.group_norm(x.contiguous(), 4, w2, b2)).sum().backward()
     torch.testing.assert_close(w.grad, w2.grad)
     torch.testing.assert_close(b.grad, b2.grad)
+
+
+def test_shape_classes_and_the_eager_rule(monkeypatch):
+    """The dispatch key, and the rule: a class in EAGER_SHAPE_CLASSES takes the PyTorch path on CUDA only, and
+    never where a backend is forced."""
+    from tfuse.ops import norm_act
+    from tfuse.ops._norm_act_checks import check_group_norm_call
+
+    x = torch.randn(2, 64, 16, 16)
+    call = check_group_norm_call(x, 32, None, None, None, 1e-5, "silu", None)
+    key = norm_act.shape_class("group_norm_act", x, call)
+    assert key == ("group_norm_act", False, torch.float32, 1024)  # rows of 2 channels x 256 pixels = 512
+    assert norm_act.shape_class("group_norm_act", x.to(memory_format=torch.channels_last), call)[1] is True
+    monkeypatch.setattr(norm_act, "EAGER_SHAPE_CLASSES", frozenset({key}))
+    assert not norm_act._eager_class("group_norm_act", x, call)  # a CPU tensor: the rule is CUDA's
+    with tfuse.use_backend("triton"), count_launches() as launches:
+        group_norm_act(x, 32, act="silu")
+    assert launches.total == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA eager-class rule needs a GPU")
+def test_cuda_eager_class_runs_torch(monkeypatch):
+    from tfuse.ops import norm_act
+    from tfuse.ops._norm_act_checks import check_group_norm_call
+
+    x = torch.randn(2, 64, 16, 16, device="cuda")
+    call = check_group_norm_call(x, 32, None, None, None, 1e-5, "silu", None)
+    monkeypatch.setattr(norm_act, "EAGER_SHAPE_CLASSES", frozenset({norm_act.shape_class("group_norm_act", x, call)}))
+    with count_launches() as launches:
+        y = group_norm_act(x, 32, act="silu")
+    assert launches.total == 0
+    torch.testing.assert_close(y, F.silu(F.group_norm(x, 32)))

@@ -8,7 +8,9 @@ recomputed in backward, never stored: eager keeps the normalised tensor and
 the activation's input or output, tfuse keeps x (and the output or residual
 where the activation's derivative needs it). The Triton path is in
 ``_norm_act_triton`` (kernels/norm_act.py); the PyTorch path is torch's own
-composition, which is also what ``torch.compile`` traces.
+composition, which is also what ``torch.compile`` traces. On CUDA the
+kernels serve every shape but the classes of :data:`EAGER_SHAPE_CLASSES`
+(empty until a GPU run measures one slower than eager).
 
 Under CUDA ``torch.autocast`` the result of a 16-bit x is float32, as
 torch's group_norm and layer_norm (which CUDA autocast runs in float32) give
@@ -19,12 +21,13 @@ autocast leaves both ops in x's dtype, and so does tfuse.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from tfuse._backend import Backend, log_backend_once, select_backend
+from tfuse._backend import Backend, log_backend_once, requested_backend, select_backend
 from tfuse.ops._library import compiling
 from tfuse.ops._norm_act_checks import NormActCall, check_group_norm_call, check_layer_norm_call, normalized_shape_of
 from tfuse.ops._norm_act_triton import NormActFunction, affine_pair, forward, grad_needed
@@ -165,13 +168,59 @@ def _out_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     return torch.promote_types(dtype, residual.dtype) if residual is not None else dtype
 
 
+#: Shape classes (:func:`shape_class`) where the benchmark (``python -m benchmarks --only group_norm_act
+#: --only layer_norm_act`` on a GPU) measured eager torch faster than the fused kernel, so that CUDA calls of
+#: them take the PyTorch path. Empty: no GPU has run the kernels yet; the benchmark prints the classes that
+#: belong here.
+EAGER_SHAPE_CLASSES: frozenset[tuple] = frozenset()
+_announced_classes: set[tuple] = set()
+
+
+def shape_class(op: str, x: torch.Tensor, call: NormActCall) -> tuple:
+    """The key of :data:`EAGER_SHAPE_CLASSES`: (op, channels innermost, dtype, row length class).
+
+    A row is what one mean and variance cover (a sample's group, a token's
+    features); its length is rounded up to a power of 4, so neighbouring
+    stages of a network share a class.
+
+    Example:
+        >>> import torch
+        >>> from tfuse.ops.norm_act import shape_class
+        >>> from tfuse.ops._norm_act_checks import check_layer_norm_call
+        >>> x = torch.randn(8, 197, 768)
+        >>> shape_class("layer_norm_act", x, check_layer_norm_call(x, 768, None, None, None, 1e-5, "gelu", None))
+        ('layer_norm_act', False, torch.float32, 1024)
+    """
+    if call.normalized_ndim:
+        row, innermost = call.channels, False
+    else:
+        row = x.numel() // max(1, x.shape[0] * call.groups)
+        innermost = not x.is_contiguous() and x.dim() >= 3 and x.permute(0, *range(2, x.dim()), 1).is_contiguous()
+    return (op, innermost, x.dtype, 4 ** math.ceil(math.log(max(row, 1), 4)))
+
+
+def _eager_class(op: str, x: torch.Tensor, call: NormActCall) -> bool:
+    """On CUDA with no backend forced: whether x's shape class is one of :data:`EAGER_SHAPE_CLASSES` (logged
+    once per class at INFO)."""
+    if not EAGER_SHAPE_CLASSES or x.device.type != "cuda" or requested_backend() is not None:
+        return False
+    key = shape_class(op, x, call)
+    if key not in EAGER_SHAPE_CLASSES:
+        return False
+    if key not in _announced_classes:
+        _announced_classes.add(key)
+        _log.info("tfuse.%s: eager torch for shape class %s (measured faster there)", op, key)
+    return True
+
+
 def _run(op: str, call: NormActCall, x, weight, bias, residual, torch_path) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The Triton path, or ``torch_path()`` (compiling, the PyTorch backend, or an empty x)."""
+    """The Triton path, or ``torch_path()`` (compiling, the PyTorch backend, an eager shape class, or an
+    empty x)."""
     if compiling() or x.numel() == 0:
         return torch_path()
     backend = select_backend(x.device, op, x.numel())
     log_backend_once(_log, op, backend, x.device)
-    if backend is Backend.TORCH:
+    if backend is Backend.TORCH or _eager_class(op, x, call):
         return torch_path()
     out_dtype = _out_dtype(x, residual)
     args = (call, out_dtype, x, weight, bias, residual)
