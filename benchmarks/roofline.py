@@ -909,6 +909,77 @@ def bn_depthwise_case(n: int, c: int, hw: int, kernel: int, stride: int, channel
     )
 
 
+def _norm_act(op: str, x: torch.Tensor, *args: Any, act: str) -> torch.Tensor:
+    """``tfuse.functional.<op>(x, *args, act=act)``, on meta tensors through the op's checks and its autograd
+    Function directly: the op itself enters ``torch.autocast(x.device.type, enabled=False)``, which torch refuses
+    for the meta device (no autocast there). The launches are the op's (tfuse/ops/_norm_act_triton.py)."""
+    if x.device.type != "meta":
+        return getattr(tfuse.functional, op)(x, *args, act=act)
+    from tfuse.ops import _norm_act_checks as checks
+    from tfuse.ops._norm_act_triton import NormActFunction
+
+    weight, bias = args[1:3]
+    call = getattr(checks, f"check_{op[:-4]}_call")(x, args[0], weight, bias, None, 1e-5, act, None)
+    return NormActFunction.apply(call, x.dtype, x, weight, bias, None)
+
+
+def group_norm_act_case(n: int, c: int, hw: int, groups: int, channels_last: bool, dtype: torch.dtype,
+                        act: str = "silu") -> Case:
+    """group_norm_act(x, groups, weight, bias, act) with weight and bias in x's dtype: forward, then backward into
+    x, weight and bias. The Triton path is forced, as for depthwise_case."""
+    numel, e = n * c * hw * hw, _esize(dtype)
+
+    def run(capture: Capture) -> None:
+        x = case_empty(n, c, hw, hw, dtype=dtype, channels_last=channels_last, requires_grad=True)
+        weight, bias = (case_empty(c, dtype=dtype, requires_grad=True) for _ in range(2))
+        with tfuse.use_backend("triton"):
+            with capture.phase("fwd"):
+                y = _norm_act("group_norm_act", x, groups, weight, bias, act=act)
+            with capture.phase("bwd"):
+                y.backward(torch.empty_like(y))
+
+    layout = "CL" if channels_last else "NCHW"
+    return Case(
+        name=f"gn_{c}x{hw}x{hw}_g{groups}_{layout.lower()}_{_dtype_name(dtype)}", family="group norm + act",
+        title=f"group_norm_act({act}), {n}x{c}x{hw}x{hw} {layout} {_dtype_name(dtype)}, {groups} groups, forward "
+              f"and backward (dx, d(weight), d(bias))",
+        run=run,
+        # The op's own minimum: x read once, y written (forward); dy and x read once, dx written (backward; the
+        # activation's derivative is recomputed from x). The weight-sized tensors are left out.
+        phases=(
+            Phase("fwd", numel, 2 * numel * e, "x once, y"),
+            Phase("bwd", numel, 3 * numel * e, "dy and x once, dx"),
+        ),
+    )
+
+
+def layer_norm_act_case(shape: tuple[int, ...], dtype: torch.dtype, act: str = "gelu") -> Case:
+    """layer_norm_act over the last dimension, weight and bias in x's dtype: forward, then backward into x,
+    weight and bias. The Triton path is forced, as for depthwise_case."""
+    numel, e = math.prod(shape), _esize(dtype)
+
+    def run(capture: Capture) -> None:
+        x = case_empty(*shape, dtype=dtype, requires_grad=True)
+        weight, bias = (case_empty(shape[-1], dtype=dtype, requires_grad=True) for _ in range(2))
+        with tfuse.use_backend("triton"):
+            with capture.phase("fwd"):
+                y = _norm_act("layer_norm_act", x, shape[-1], weight, bias, act=act)
+            with capture.phase("bwd"):
+                y.backward(torch.empty_like(y))
+
+    text = "x".join(map(str, shape))
+    return Case(
+        name=f"ln_{text}_{_dtype_name(dtype)}", family="layer norm + act",
+        title=f"layer_norm_act({act}) over the last dimension, {text} {_dtype_name(dtype)}, forward and backward "
+              f"(dx, d(weight), d(bias))",
+        run=run,
+        phases=(
+            Phase("fwd", numel, 2 * numel * e, "x once, y"),
+            Phase("bwd", numel, 3 * numel * e, "dy and x once, dx"),
+        ),
+    )
+
+
 def _model_shapes(model: str) -> list[tuple[int, ...]]:
     from benchmarks.optim import gpt2_small_shapes, resnet50_shapes
 
@@ -1009,6 +1080,18 @@ def cases() -> list[Case]:
         out.append(bn_depthwise_case(128, 144, 56, 3, 1, channels_last, torch.bfloat16))
     out.append(bn_depthwise_case(128, 240, 28, 5, 1, True, torch.bfloat16, act="silu"))
     out.append(bn_depthwise_case(128, 192, 28, 3, 2, True, torch.float32))
+    # A diffusion UNet's group norm + SiLU (32 groups): 320 channels at 64x64 and 1280 at 16x16 at batch 2 (too
+    # few rows to fill the device: split rows), and 640 at 32x32 in float32 at batch 32 (looped rows, unsplit).
+    for channels_last in (False, True):
+        out.append(group_norm_act_case(2, 320, 64, 32, channels_last, torch.bfloat16))
+    out.append(group_norm_act_case(2, 1280, 16, 32, False, torch.bfloat16))
+    out.append(group_norm_act_case(32, 640, 32, 32, False, torch.float32))
+    # Layer norm + GELU: ViT-B/16's tokens (one tile per row), ConvNeXt-T's first stage (channels last, 96 wide),
+    # and rows of 16384 (looped).
+    out.append(layer_norm_act_case((8, 197, 768), torch.bfloat16))
+    out.append(layer_norm_act_case((8, 56, 56, 96), torch.bfloat16))
+    out.append(layer_norm_act_case((16, 16384), torch.bfloat16))
+    out.append(layer_norm_act_case((4096, 16384), torch.bfloat16))
     for model in ("resnet50", "gpt2"):
         for algorithm in ("adam", "sgd_momentum"):
             out.append(optim_case(algorithm, model, torch.float32, False))

@@ -12,6 +12,13 @@ g`` starts at ``n * sN + g * sG`` and holds ``A`` runs of ``B`` elements,
   group of channels; layer norm, G = A = 1: a run is the row, the channel its column).
 
 Tiles are ``[BA, BB]`` (powers of two); loads and stores along B are contiguous.
+B and the strides are specialised (not in ``do_not_specialize``): Triton
+then knows when rows start 16-byte aligned and streams 128-bit accesses (the
+sm_90 compile: every access was one element wide without it). Sums are
+kept per lane in tiles and reduced across the program once, after the loops
+(channels_last's d(weight) sums too: 12 barriers per tile down to none;
+NCHW's, whose channel is a tile row, are reduced per tile, which kept its
+backward at 64 registers where per-lane tiles took 80 and spilled in float32).
 
 Forward: one program per (row, split). A row's A runs are split into ``S``
 chunks of ``a_per`` runs when there are too few rows to fill the GPU (group
@@ -133,7 +140,7 @@ def _na_merged_moments(part_ptr, r, S, a_per, A, B, S_PAD: tl.constexpr, acc: tl
     return mean, (tl.sum(m2s, axis=0) + tl.sum(counts * d * d, axis=0)) / total
 
 
-@triton.jit(do_not_specialize=["G", "A", "B", "sN", "sG", "sA", "a_per"])
+@triton.jit(do_not_specialize=["G", "A", "a_per"])
 def _na_stats_kernel(
     x_ptr, part_ptr, G, A, B, sN, sG, sA, a_per,
     BA: tl.constexpr, BB: tl.constexpr, INDEX_64: tl.constexpr, ACC_FP64: tl.constexpr,
@@ -149,7 +156,7 @@ def _na_stats_kernel(
     tl.store(out + 1, m2)
 
 
-@triton.jit(do_not_specialize=["G", "A", "B", "sN", "sG", "sA", "a_per"])
+@triton.jit(do_not_specialize=["G", "A", "a_per"])
 def _na_fwd_kernel(
     x_ptr, res_ptr, y_ptr, w_ptr, bias_ptr, part_ptr, mean_ptr, rstd_ptr,
     G, A, B, sN, sG, sA, a_per, eps, eps_lo, negative_slope, negative_slope_lo,
@@ -236,7 +243,7 @@ def _na_store_grads(
         tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
-@triton.jit(do_not_specialize=["R", "G", "A", "B", "sN", "sG", "sA", "a_per", "rows_per_prog", "C"])
+@triton.jit(do_not_specialize=["R", "G", "A", "a_per", "rows_per_prog"])
 def _na_bwd_kernel(
     dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, mean_ptr, rstd_ptr, part_ptr, dw_part_ptr, db_part_ptr,
     dx_ptr, dres_ptr,
@@ -266,8 +273,8 @@ def _na_bwd_kernel(
     r_end = tl.minimum(r_begin + rows_per_prog, R)
     a_begin, a_end = _na_chunk(A, a_per)
     inv_count = 1.0 / (A * B).to(acc)
-    col_w = tl.zeros([BB], acc)  # CH_B in registers: the channels' sums over this program's rows
-    col_b = tl.zeros([BB], acc)
+    col_w = tl.zeros([BA, BB], acc)  # CH_B in registers: the channels' sums over this program's rows, per lane
+    col_b = tl.zeros([BA, BB], acc)
     # CH_B's partial row: one per (sample, chunk) for group norm (one row per program there), one per
     # program for layer norm (G == 1). Several groups of a sample share it (their channels differ).
     col_row = (p // G) * n_chunks + tl.program_id(1)
@@ -279,8 +286,8 @@ def _na_bwd_kernel(
         sum_wdz = tl.zeros([BA, BB], acc)
         sum_wdz_xhat = tl.zeros([BA, BB], acc)
         for a0 in range(a_begin, a_end, BA):
-            row_w = tl.zeros([BA], acc)  # CH_A: these runs' channels, summed along B
-            row_b = tl.zeros([BA], acc)
+            row_w = tl.zeros([BA], acc)  # CH_A: these runs' channels, summed along B (per tile: per-lane
+            row_b = tl.zeros([BA], acc)  # tiles here took NCHW backward from 64 to 80 registers and spilled in fp32)
             for b0 in range(0, B, BB):
                 a, b, offsets, mask = _na_tile(base, a0, a_end, b0, B, sA, BA, BB)
                 w, bias = _na_affine(w_ptr, bias_ptr, g, a, b, A, B, CH, AFFINE, acc)
@@ -303,8 +310,8 @@ def _na_bwd_kernel(
                                  mask=b < B)
                         tl.store(part_b, tl.load(part_b, mask=b < B, other=0.0) + tl.sum(dz, axis=0), mask=b < B)
                     else:
-                        col_w += tl.sum(dz * x_hat, axis=0)
-                        col_b += tl.sum(dz, axis=0)
+                        col_w += dz * x_hat
+                        col_b += dz
                 if ONE_TILE and not SPLIT:
                     total = tl.sum(tl.sum(sum_wdz, axis=1), axis=0)
                     total_xhat = tl.sum(tl.sum(sum_wdz_xhat, axis=1), axis=0)
@@ -341,11 +348,11 @@ def _na_bwd_kernel(
     if WRITE_DWB and CH == CH_B and not DWB_IN_MEMORY:
         b = tl.arange(0, BB)
         g_first = r_begin % G  # every row of the program has this group (G == 1, or one row per program)
-        tl.store(dw_part_ptr + col_row * C + g_first * B + b, col_w, mask=b < B)
-        tl.store(db_part_ptr + col_row * C + g_first * B + b, col_b, mask=b < B)
+        tl.store(dw_part_ptr + col_row * C + g_first * B + b, tl.sum(col_w, axis=0), mask=b < B)
+        tl.store(db_part_ptr + col_row * C + g_first * B + b, tl.sum(col_b, axis=0), mask=b < B)
 
 
-@triton.jit(do_not_specialize=["G", "A", "B", "sN", "sG", "sA", "a_per"])
+@triton.jit(do_not_specialize=["G", "A", "a_per"])
 def _na_bwd_dx_kernel(
     dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, mean_ptr, rstd_ptr, part_ptr, dx_ptr,
     G, A, B, sN, sG, sA, a_per, negative_slope, negative_slope_lo,

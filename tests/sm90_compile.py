@@ -101,6 +101,25 @@ def depthwise_case(shape, kernel, dtype, act_in, act_out=None, bias=False, strid
     return run
 
 
+def norm_act_case(op, shape, arg, dtype, act, residual, affine=True, channels_last=False,
+                  negative_slope=None) -> Callable[[], None]:
+    """Forward and backward of group_norm_act (``arg``: groups) or layer_norm_act (``arg``: the normalised size),
+    x, weight, bias and the residual requiring grad."""
+    def run():
+        x = torch.zeros(shape, dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        x.requires_grad_()
+        c = shape[1] if op == "group_norm_act" else arg
+        weight, bias = ((torch.ones(c, dtype=dtype, requires_grad=True) for _ in range(2)) if affine
+                        else (None, None))
+        skip = torch.zeros(shape, dtype=dtype, requires_grad=True) if residual else None
+        y = getattr(tfuse.functional, op)(x, arg, weight, bias, act=act, negative_slope=negative_slope,
+                                          residual=skip)
+        y.backward(torch.zeros_like(y))
+    return run
+
+
 def clip_case(norm_type, dtype) -> Callable[[], None]:
     """clip_grad_norm_ over a FlatParams of a small MLP (every parameter has a gradient)."""
     def run():
@@ -153,6 +172,17 @@ CASES = {
                                                     bias=True, dilation=2),
     "dw_leaky_out_silu_3x5_fp64": depthwise_case((2, 8, 9, 9), (3, 5), torch.float64, "leaky_relu", act_out="silu",
                                                  stride=(2, 1)),
+    # Group norm and layer norm + activation: the act' from the output (relu) and from the recomputed input with
+    # a residual (gelu, leaky_relu with a negative slope), no affine, float16/float64, split rows (a group of
+    # 16384 elements, 4 rows: the statistics and dx kernels), looped rows with d(weight) partials in memory.
+    "gn_relu_residual_nchw_fp16": norm_act_case("group_norm_act", (4, 32, 8, 8), 8, torch.float16, "relu", True),
+    "gn_gelu_residual_channels_last_bf16": norm_act_case("group_norm_act", (4, 48, 6, 6), 4, torch.bfloat16,
+                                                         "gelu", True, channels_last=True),
+    "gn_silu_split_rows_fp32": norm_act_case("group_norm_act", (2, 8, 64, 64), 2, torch.float32, "silu", False),
+    "gn_leaky_no_affine_fp64": norm_act_case("group_norm_act", (2, 8, 5, 5), 2, torch.float64, "leaky_relu", True,
+                                             affine=False, negative_slope=-0.1),
+    "ln_gelu_tanh_residual_fp32": norm_act_case("layer_norm_act", (64, 768), 768, torch.float32, "gelu_tanh", True),
+    "ln_tanh_looped_rows_bf16": norm_act_case("layer_norm_act", (4, 12288), 12288, torch.bfloat16, "tanh", False),
     "clip_l2_fp32": clip_case(2.0, torch.float32),
     "clip_inf_bf16": clip_case("inf", torch.bfloat16),
     "clip_p3_fp16": clip_case(3.0, torch.float16),

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tfuse._backend import Backend, log_backend_once, requested_backend, select_backend
+from tfuse.ops._depthwise_args import autocast_dtype
 from tfuse.ops._library import compiling
 from tfuse.ops._norm_act_checks import NormActCall, check_group_norm_call, check_layer_norm_call, normalized_shape_of
 from tfuse.ops._norm_act_triton import NormActFunction, affine_pair, forward, grad_needed
@@ -225,6 +226,8 @@ def _run(op: str, call: NormActCall, x, weight, bias, residual, torch_path) -> t
     out_dtype = _out_dtype(x, residual)
     args = (call, out_dtype, x, weight, bias, residual)
     if grad_needed(x, weight, bias, residual):
+        if autocast_dtype(x.device.type) is None:
+            return NormActFunction.apply(*args)
         with torch.autocast(x.device.type, enabled=False):
             return NormActFunction.apply(*args)
     weight, bias = affine_pair(weight, bias)
