@@ -32,9 +32,10 @@ def fuse_model(
     """Replaces the fusable patterns of ``model`` with tfuse layers; returns the fused model and a report.
 
     Patterns (each switch of ``strategy``): BatchNorm1d/2d -> activation;
-    BatchNorm -> residual add -> activation; Linear -> activation; add ->
-    activation; activation -> depthwise Conv2d (``FusedActDepthwiseConv2d``,
-    for an activation that no batch norm or Linear before it has taken).
+    BatchNorm -> residual add -> activation; GroupNorm or LayerNorm (->
+    residual add) -> activation; Linear -> activation; add -> activation;
+    activation -> depthwise Conv2d (``FusedActDepthwiseConv2d``, for an
+    activation that no norm or Linear before it has taken).
     Activations: relu, leaky_relu, gelu (both forms), silu, sigmoid, tanh,
     relu6 (and Hardtanh(0, 6)), hardtanh (-1 to 1), hardswish, hardsigmoid,
     mish, elu (alpha 1), as modules, functions or tensor methods.
@@ -50,8 +51,9 @@ def fuse_model(
     mode. Left as they are, and reported: a module called at several places, a
     layer whose output feeds a branch, a layer or activation with hooks (a
     fused call would skip them; hooks on the model itself move to the fused
-    model), an in-place add into a tensor something else reads, batch norm
-    and Linear subclasses (timm's ``BatchNormAct2d`` is recognised and fused).
+    model), an in-place add into a tensor something else reads, subclasses of
+    the norms and of Linear (timm's ``BatchNormAct2d``, ``GroupNormAct`` and
+    ``LayerNormAct`` are recognised and fused).
     Where the forward does not trace, fusion happens inside the parts that the
     forward calls whole (its source says so): ``nn.Sequential`` neighbours,
     and blocks whose own forward traces. Where nothing fuses, ``model`` itself

@@ -93,11 +93,38 @@ _PLAIN_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoi
                   "tanh_": "tanh"}  # fmt: skip
 
 
+#: timm's own activation modules (``timm.layers.activations``; what ``act_layer="gelu"`` builds), by class name:
+#: each computes what tfuse's kernel of that name computes (GELU is ``F.gelu``, GELUTanh its tanh form, Swish
+#: ``x * sigmoid(x)``, HardSwish ``x * relu6(x + 3) / 6``...). Recognised only with timm's module path.
+_TIMM_MODULES = {"GELU": "gelu", "GELUTanh": "gelu_tanh", "Swish": "silu", "Sigmoid": "sigmoid", "Tanh": "tanh",
+                 "HardSwish": "hardswish", "HardSigmoid": "hardsigmoid", "Mish": "mish"}  # fmt: skip
+_TIMM_UNSUPPORTED = ("HardMish", "QuickGELU", "PReLU")
+
+
+def _timm_activation(kind: type) -> str | None:
+    """The timm activation class's name, when ``kind`` is one (module ``timm[.models].layers.activations``)."""
+    module = kind.__module__
+    if module.startswith("timm.") and module.endswith(".activations"):
+        return kind.__name__
+    return None
+
+
+def is_timm_activation(module: nn.Module) -> bool:
+    """One of timm's activation modules tfuse knows (fusable or not)."""
+    name = _timm_activation(type(module))
+    return name in _TIMM_MODULES or name in _TIMM_UNSUPPORTED
+
+
 def of_module(module: nn.Module, source: Any = None) -> ActivationCall | Unsupported | None:
     """What activation ``module`` is (exact types: a subclass may compute something else)."""
     kind = type(module)
     if kind in _PLAIN_MODULES:
         return ActivationCall(_PLAIN_MODULES[kind], None, source)
+    timm_name = _timm_activation(kind)
+    if timm_name in _TIMM_MODULES:
+        return ActivationCall(_TIMM_MODULES[timm_name], None, source)
+    if timm_name in _TIMM_UNSUPPORTED:
+        return Unsupported(timm_name)
     if kind is nn.LeakyReLU:
         return ActivationCall("leaky_relu", float(module.negative_slope), source)
     if kind is nn.Hardtanh:

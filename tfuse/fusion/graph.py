@@ -2,8 +2,9 @@
 
 Each activation node is looked at together with what it is applied to:
 
-* a BatchNorm1d/2d call -> the fused batch norm layer with that activation;
-* an add of a BatchNorm call and another tensor of its shape (shapes from
+* a BatchNorm1d/2d, nn.GroupNorm or nn.LayerNorm call -> the fused norm
+  layer with that activation;
+* an add of such a norm call and another tensor of its shape (shapes from
   ``example_inputs``) -> the fused layer with ``residual=`` the other tensor;
 * a BatchNorm2d call whose activation's only user is a depthwise nn.Conv2d
   call -> the convolution normalises and activates its input as it loads
@@ -14,15 +15,17 @@ Each activation node is looked at together with what it is applied to:
   norm or Linear fusion keeps its activation);
 * any other add of two tensors (shapes known) -> ``tfuse.add_act``.
 
-And a batch norm module that applies its own activation (timm's
-``BatchNormAct2d``) becomes the fused layer. ``nn.Identity`` calls are read
-through (timm's ``drop_block`` between a norm and its activation).
+And a norm module that applies its own activation (timm's
+``BatchNormAct2d``, ``GroupNormAct``, ``LayerNormAct``) becomes the fused
+layer. ``nn.Identity`` calls are read through (timm's ``drop_block`` between
+a norm and its activation).
 
 Left as they are, and reported: a layer called more than once or whose
 output has another user (a branch); a layer or activation with hooks (a
 fused call would skip them); an in-place add into a tensor that something
-else also reads (fusing would change what it holds); a batch norm or Linear
-subclass; a grouped convolution after an activation that cannot take it.
+else also reads (fusing would change what it holds); a subclass of a batch,
+group or layer norm or of Linear; timm's ``LayerNormAct2d`` (it permutes); a
+grouped convolution after an activation that cannot take it.
 
 The rewrite works on one graph at a time but shares its module decisions
 (:class:`Decisions`): a forward that differs between train and eval mode has
@@ -42,6 +45,7 @@ from torch import fx, nn
 from tfuse.functional import add_act
 from tfuse.fusion import activations
 from tfuse.fusion.layers import (
+    act_switch,
     bound_depthwise,
     depthwise_mismatch,
     fused_depthwise,
@@ -49,6 +53,7 @@ from tfuse.fusion.layers import (
     hooks_reason,
     in_place_reason,
     is_batch_norm,
+    is_group_or_layer_norm,
     is_grouped_conv,
     is_linear,
     makes_new_tensor,
@@ -118,7 +123,7 @@ class Rewriter:
                     self._skip(layer, unsupported_reason(found))
                 self._fuse_depthwise(node, found)  # reports a depthwise convolution after it
                 continue
-            # Precedence: the layer before the activation (batch norm, Linear) keeps it; then a depthwise
+            # Precedence: the layer before the activation (a norm, Linear) keeps it; then a depthwise
             # convolution after it; then a plain add before it.
             if self._fuse_before(node, found, source) or self._fuse_depthwise(node, found):
                 continue
@@ -140,19 +145,19 @@ class Rewriter:
                 self.calls[node.target] -= 1
 
     def _fuse_before(self, node: fx.Node, found: activations.ActivationCall, source: fx.Node) -> bool:
-        """The activation fused into the batch norm or Linear it follows (also through a residual add)."""
+        """The activation fused into the norm or Linear it follows (also through a residual add)."""
         if source.op == "call_module":
             layer = self.modules[source.target]
-            if is_batch_norm(layer) or is_linear(layer):
-                switch = "fuse_bn_act" if is_batch_norm(layer) else "fuse_linear_act"
+            switch = act_switch(layer)
+            if switch is not None:
                 if not getattr(self.strategy, switch):
                     self._skip(source.target, f"is followed by {found.display}; {switch} is off in the strategy")
                     return False
-                if is_batch_norm(layer):
-                    return self._fuse_bn_depthwise(node, found, source) or self._fuse_bn(
-                        node, found, source, residual=None
-                    )
-                return self._fuse_linear(node, found, source)
+                if is_linear(layer):
+                    return self._fuse_linear(node, found, source)
+                return self._fuse_bn_depthwise(node, found, source) or self._fuse_norm(
+                    node, found, source, residual=None
+                )
             reason = subclass_reason(layer)
             if reason is not None:
                 self._skip(source.target, reason)
@@ -162,21 +167,22 @@ class Rewriter:
         return False
 
     def _add_norm(self, add_node: fx.Node) -> fx.Node | None:
-        """The operand of ``add_node`` that is a batch norm call, if any."""
-        return next(
-            (n for n in add_node.args[:2] if n.op == "call_module" and is_batch_norm(self.modules[n.target])), None
-        )
+        """The operand of ``add_node`` that is a (batch, group or layer) norm call, if any."""
+        return next((n for n in add_node.args[:2] if n.op == "call_module" and _is_norm(self.modules[n.target])), None)
 
     def _fuse_norm_act_module(self, node: fx.Node) -> bool:
-        """A batch norm module that applies its own activation (timm's BatchNormAct2d) -> the fused layer."""
+        """A norm module that applies its own activation (timm's BatchNormAct2d, GroupNormAct...) -> the fused
+        layer."""
         module = self.modules[node.target]
         found = norm_act_module(module)
-        if found is None or not self.strategy.fuse_bn_act:
+        switch = "fuse_bn_act" if isinstance(module, nn.modules.batchnorm._BatchNorm) else "fuse_norm_act"
+        if found is None or not getattr(self.strategy, switch):
             return False
-        if isinstance(found, activations.Unsupported):
-            self._skip(node.target, unsupported_reason(found))
+        if isinstance(found, (activations.Unsupported, str)):
+            self._skip(node.target, found if isinstance(found, str) else unsupported_reason(found))
             return False
-        if not (self._callable_once(node) and self._without_hooks(node.target, module)):
+        # Its children too: the fused layer does not call its drop and act modules, so their hooks would not run.
+        if not (self._callable_once(node) and self._without_hooks(node.target, module, *module.children())):
             return False
         fused = self._take(node.target, "norm-act", found, lambda: fused_layer(module, found)[0])
         if fused is None:
@@ -188,9 +194,7 @@ class Rewriter:
     # ------------------------------------------------------------------ checks
 
     def _layer_name(self, node: fx.Node) -> str | None:
-        if node.op == "call_module" and (
-            is_batch_norm(self.modules[node.target]) or is_linear(self.modules[node.target])
-        ):
+        if node.op == "call_module" and act_switch(self.modules[node.target]) is not None:
             return node.target
         return None
 
@@ -243,26 +247,28 @@ class Rewriter:
         act_node.replace_all_uses_with(replacement)
         self.graph.erase_node(act_node)
 
-    def _fuse_bn(self, act_node, found, bn_node, residual: fx.Node | None, add_node: fx.Node | None = None) -> bool:
-        if not self._callable_once(bn_node) or not self._only_user(bn_node, add_node or act_node, bn_node.target):
+    def _fuse_norm(self, act_node, found, norm_node, residual: fx.Node | None, add_node: fx.Node | None = None) -> bool:
+        """The activation (and the residual add before it) fused into the batch, group or layer norm
+        ``norm_node``."""
+        if not self._callable_once(norm_node) or not self._only_user(norm_node, add_node or act_node, norm_node.target):
             return False
-        layer = self.modules[bn_node.target]
-        if not self._without_hooks(bn_node.target, layer, *self._act_module(act_node)):
+        layer = self.modules[norm_node.target]
+        if not self._without_hooks(norm_node.target, layer, *self._act_module(act_node)):
             return False
-        pattern = "bn+residual" if residual is not None else "bn"
-        fused = self._take(bn_node.target, pattern, found, lambda: fused_layer(layer, found)[0])
+        pattern = "norm+residual" if residual is not None else "norm"
+        fused = self._take(norm_node.target, pattern, found, lambda: fused_layer(layer, found)[0])
         if fused is None:
             return False
         kind = f"{type(layer).__name__}+{found.display}"
-        where = [bn_node.target, act_node.name]
+        where = [norm_node.target, act_node.name]
         if residual is not None:
-            add_node.prepend(bn_node)  # after the residual is computed (a downsample may come after the norm)
-            bn_node.args = (bn_node.args[0], residual)
-            self._drop(act_node, bn_node)
+            add_node.prepend(norm_node)  # after the residual is computed (a downsample may come after the norm)
+            norm_node.args = (norm_node.args[0], residual)
+            self._drop(act_node, norm_node)
             self.graph.erase_node(add_node)
             where.insert(1, add_node.name)
         else:
-            self._drop(act_node, bn_node)
+            self._drop(act_node, norm_node)
         self.report.fused.append(Fused(kind, tuple(where), type(fused).__name__, residual is not None))
         return True
 
@@ -382,11 +388,11 @@ class Rewriter:
     def _fuse_add(self, act_node, found, add_node) -> bool:
         left, right = add_node.args[:2]
         norm = self._add_norm(add_node)
-        wanted = self.strategy.fuse_bn_add_act if norm is not None else self.strategy.fuse_add_act
+        switch = "fuse_add_act" if norm is None else _residual_switch(self.modules[norm.target])
         where = norm.target if norm is not None else add_node.name
-        if not wanted:
+        if not getattr(self.strategy, switch):
             if norm is not None:
-                self._skip(where, f"is added to a residual before {found.display}; fuse_bn_add_act is off")
+                self._skip(where, f"is added to a residual before {found.display}; {switch} is off")
             return False
         if self.shapes is None:
             self._skip(where, "is followed by an add and an activation: fusing them needs example_inputs (shapes)")
@@ -408,7 +414,7 @@ class Rewriter:
             if self.shapes.get(norm.name) != out_shape or self.shapes.get(other.name) != out_shape:
                 self._skip(where, "is added to a tensor of another shape (a broadcast, not a residual)")
                 return False
-            return self._fuse_bn(act_node, found, norm, residual=other, add_node=add_node)
+            return self._fuse_norm(act_node, found, norm, residual=other, add_node=add_node)
         if not self._without_hooks(where, *self._act_module(act_node)):
             return False
         full = next((n for n in (left, right) if self.shapes.get(n.name) == out_shape), None)
@@ -428,6 +434,16 @@ class Rewriter:
 
 
 _MODE_REASON = "is fused in one mode's graph but not in the other's (the forward differs between train and eval)"
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A batch, group or layer norm (exact types) that can take a residual add and an activation."""
+    return is_batch_norm(module) or is_group_or_layer_norm(module)
+
+
+def _residual_switch(norm: nn.Module) -> str:
+    """The FusionStrategy switch for ``norm`` -> residual add -> activation."""
+    return "fuse_bn_add_act" if is_batch_norm(norm) else "fuse_norm_act"
 
 
 def _is_tensor_add(node: fx.Node) -> bool:

@@ -28,7 +28,7 @@ from torch import nn
 
 from tfuse.fusion.build import fuse_traced
 from tfuse.fusion.calls import called_whole_only
-from tfuse.fusion.layers import is_batch_norm, is_linear
+from tfuse.fusion.layers import act_switch
 from tfuse.fusion.report import Fused, FusionReport, Skipped
 from tfuse.fusion.strategy import FusionStrategy
 from tfuse.fusion.structural import fuse_neighbours
@@ -107,8 +107,8 @@ def _join(path: str, name: str) -> str:
 
 
 def _has_candidates(module: nn.Module) -> bool:
-    """Whether a batch norm or Linear lives in ``module`` (a fusion site tfuse should say it left alone)."""
-    return any(is_batch_norm(m) or is_linear(m) for m in module.modules())
+    """Whether a norm or Linear lives in ``module`` (a fusion site tfuse should say it left alone)."""
+    return any(act_switch(m) is not None for m in module.modules())
 
 
 def _record_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[str, tuple]:

@@ -28,6 +28,12 @@ class FusionStrategy:
     """BatchNorm, a residual add, then an activation (ResNet blocks) -> the fused layer with ``residual=``.
     Needs ``example_inputs`` (the residual must have the batch norm's shape, which only shapes can show)."""
 
+    fuse_norm_act: bool = True
+    """nn.GroupNorm or nn.LayerNorm followed by an activation -> ``FusedGroupNormAct`` / ``FusedLayerNormAct``
+    (statistics, normalisation and activation in one pass forward, one backward); with a residual add between
+    the norm and the activation (shapes from ``example_inputs``), ``residual=``; and timm's ``GroupNormAct``,
+    ``GroupNorm1Act`` and ``LayerNormAct``. Exact types only: subclasses are reported, not fused."""
+
     fuse_linear_act: bool = True
     """nn.Linear followed by an activation -> ``FusedLinear`` (the bias add and the activation in one epilogue)."""
 
@@ -77,8 +83,7 @@ class FusionStrategy:
     local_sgd_warmup: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("fuse_bn_act", "fuse_bn_add_act", "fuse_linear_act", "fuse_add_act", "fuse_relu_depthwise_conv",
-                     "fuse_all_optimizer_ops", "fuse_all_reduce_ops", "gradient_merge_avg"):  # fmt: skip
+        for name in (f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")):  # every switch
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionStrategy.{name} must be a bool, got {value!r}")

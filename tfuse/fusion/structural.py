@@ -1,11 +1,12 @@
 """Fusion of neighbours in an ``nn.Sequential`` that untraced code calls whole (see :mod:`tfuse.fusion.partial`).
 
-An ``nn.Sequential`` runs its children one after another, so a BatchNorm or
-Linear child followed by an activation child computes act(layer(x)) when the
-container is called whole. That pair becomes the fused layer and an
-``nn.Identity`` in the activation's slot, so indices and state-dict keys stay.
+An ``nn.Sequential`` runs its children one after another, so a BatchNorm,
+GroupNorm, LayerNorm or Linear child followed by an activation child computes
+act(layer(x)) when the container is called whole. That pair becomes the fused
+layer and an ``nn.Identity`` in the activation's slot, so indices and
+state-dict keys stay.
 Likewise an activation child followed by a depthwise nn.Conv2d child (not
-taken by a batch norm or Linear before it) becomes an ``nn.Identity`` and a
+taken by a norm or Linear before it) becomes an ``nn.Identity`` and a
 ``FusedActDepthwiseConv2d``; an in-place activation only when the child
 before it is a layer with an output of its own (a convolution, Linear or
 norm), since the container's input may be the caller's tensor. A child with
@@ -18,14 +19,13 @@ from torch import nn
 
 from tfuse.fusion import activations
 from tfuse.fusion.layers import (
+    act_switch,
     depthwise_mismatch,
     fused_depthwise,
     fused_layer,
     hooks_reason,
     in_place_reason,
-    is_batch_norm,
     is_grouped_conv,
-    is_linear,
     makes_new_tensor,
     unsupported_before_reason,
     unsupported_reason,
@@ -43,7 +43,8 @@ def fuse_neighbours(seq: nn.Sequential, prefix: str, strategy: FusionStrategy, r
         layer, following = seq._modules[name], seq._modules[next_name]
         where = f"{prefix}.{name}" if prefix else name
         found = activations.of_module(following) if following is not None else None
-        fusable = (is_batch_norm(layer) and strategy.fuse_bn_act) or (is_linear(layer) and strategy.fuse_linear_act)
+        switch = act_switch(layer)
+        fusable = switch is not None and getattr(strategy, switch)
         if found is None or not fusable:
             if strategy.fuse_relu_depthwise_conv and _fuse_depthwise(seq, prefix, index, report):
                 index += 2

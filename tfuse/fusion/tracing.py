@@ -7,9 +7,11 @@ writes (a cached attribute, an in-place buffer update) lands on the module.
 So tfuse traces a *shadow*: new module objects over the same parameters, with
 cloned buffers and copied attribute containers, once in train mode and once
 in eval mode. A module is a leaf (called, not traced through) when torch.fx
-would make it one, when it is a tfuse layer, a batch-norm subclass (it may
-compute something else than its base, or branch on its mode), or when it has
-hooks (a call runs them).
+would make it one, when it is a tfuse layer, a subclass of a batch, group or
+layer norm (it may compute something else than its base, or branch on its
+mode; timm's norm + activation modules are recognised whole), one of timm's
+activation modules (recognised whole: Swish traced through would be a
+multiply of a sigmoid), or when it has hooks (a call runs them).
 
 Example:
     >>> import torch
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from tfuse.fusion import activations
 
 #: The hook dictionaries of an nn.Module: a module with any entry in one is called, never traced through.
 HOOK_ATTRIBUTES = (
@@ -90,6 +94,10 @@ for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "
     setattr(InPlaceProxy, f"__{_name}__", _in_place(getattr(operator, _name)))
 
 
+#: Norm layers whose subclasses are leaves too (torch.fx makes torch's own ones leaves).
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
 class LeafTracer(fx.Tracer):
     """torch.fx's tracer with tfuse's leaves and in-place augmented assignments; records the modules it
     traces through."""
@@ -104,7 +112,7 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if type(m).__module__.startswith("tfuse."):
             return True
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) or has_hooks(m):
+        if isinstance(m, _NORMS) or has_hooks(m) or activations.is_timm_activation(m):
             return True
         leaf = super().is_leaf_module(m, module_qualified_name)
         if not leaf and module_qualified_name not in self.traced_through:
