@@ -21,7 +21,11 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ["add", "add_act", "linear", "bn_act", "depthwise", "bn_depthwise", "optim", "allreduce", "sharded", "overlap", "localsgd", "compile", "e2e", "host"]  # module names under benchmarks/, each with NAME and run()
+# Module names under benchmarks/, each with NAME and run(), or names in SHARED.
+BENCHMARKS = ["add", "add_act", "linear", "bn_act", "depthwise", "bn_depthwise", "group_norm_act", "layer_norm_act",
+              "optim", "allreduce", "sharded", "overlap", "localsgd", "compile", "e2e", "host"]
+# Benchmarks that share a module: name -> module under benchmarks/, whose run_<name>() runs each.
+SHARED = {"group_norm_act": "norm_act", "layer_norm_act": "norm_act"}
 
 
 def default_out_dir() -> Path:
@@ -78,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or BENCHMARKS:
         begin = time.perf_counter()
         print(f"== {name}: running", file=sys.stderr, flush=True)
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(f"benchmarks.{SHARED.get(name, name)}")
         context.compiled_references = 0
-        report = module.run(context)
+        report = getattr(module, f"run_{name}")(context) if name in SHARED else module.run(context)
         if context.quick and context.compiled_references:
             report.notes.append(QUICK_COMPILE_NOTE)
         print()

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(
 if (ROOT / "benchmarks" / "__main__.py").is_file() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ lives at the repository root
 
-ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "bn_depthwise", "optim", "allreduce", "sharded", "overlap",
-       "localsgd", "compile", "e2e", "host"]
+ALL = ["add", "add_act", "linear", "bn_act", "depthwise", "bn_depthwise", "group_norm_act", "layer_norm_act", "optim",
+       "allreduce", "sharded", "overlap", "localsgd", "compile", "e2e", "host"]
 TIME_CELL = re.compile(r"^\d+\.\d+ ±\d+%( \((noisy|implausible)\))?$")
 CHECK_CELL = re.compile(r"^(ok|((noisy|implausible): .+))$")
 
@@ -475,6 +475,48 @@ def test_bn_depthwise_benchmark(quick_run):
     assert kept["eager kept"] == pytest.approx(3 * kept["x"], rel=0.05)
     _time_cells(rows, "tfuse (PyTorch path) ms" if "(CPU)" in table else "tfuse ms", "eager ms", "compile ms")
 
+
+
+def _norm_act_kept(rows: list[dict[str, str]], x_elements: int) -> None:
+    """tfuse keeps x (and per-row statistics); eager keeps x and the activation's input (SiLU, GELU): twice x."""
+    for training in (row for row in rows if row["passes"] == "forward+backward"):
+        kept = {key: float(training[f"{key} MB"]) for key in ("x", "tfuse kept", "eager kept")}
+        assert kept["x"] == pytest.approx(x_elements * 4 / 1e6, rel=1e-3)
+        assert kept["x"] <= kept["tfuse kept"] < 1.05 * kept["x"]
+        assert kept["eager kept"] == pytest.approx(2 * kept["x"], rel=0.05)
+
+
+def test_group_norm_act_benchmark(quick_run):
+    table, rows = _table(quick_run, "group_norm_act")
+    assert {(row["act"], row["layout"], row["passes"]) for row in rows} == {
+        ("silu", layout, passes) for layout in ("channels_last", "NCHW") for passes in ("forward", "forward+backward")}
+    launches = {row["passes"]: row["launches"] for row in rows}
+    if "(CPU)" in table:  # the interpreter's 64 rows of 2560: one tile each, no split; 2 + 2 on a GPU when split
+        assert launches == {"forward": "1", "forward+backward": "1 + 1"}
+        # Minimum bytes, float32, x of 2x320x4x4 and 2 x 320 parameters: forward (2X + P) 4, with backward (5X + 3P) 4.
+        x, p = 2 * 320 * 4 * 4, 2 * 320
+        moved = {row["passes"]: row["MB moved"] for row in rows}
+        assert moved == {"forward": f"{(2 * x + p) * 4 / 1e6:.2f}",
+                         "forward+backward": f"{(5 * x + 3 * p) * 4 / 1e6:.2f}"}
+        _norm_act_kept(rows, x)
+        assert "tfuse's PyTorch path" in table
+    else:
+        assert set(launches.values()) <= {"1", "2", "1 + 1", "2 + 2"}
+    _time_cells(rows, "tfuse (PyTorch path) ms" if "(CPU)" in table else "tfuse ms", "eager ms", "compile ms")
+
+
+def test_layer_norm_act_benchmark(quick_run):
+    table, rows = _table(quick_run, "layer_norm_act")
+    assert {(row["act"], row["passes"]) for row in rows} >= {("gelu", "forward"), ("gelu", "forward+backward")}
+    # Rows of 96 or 768 fit one tile: one launch forward, one backward (the d(weight) partials' sums are torch's).
+    assert {row["passes"]: row["launches"] for row in rows} == {"forward": "1", "forward+backward": "1 + 1"}
+    if "(CPU)" in table:  # x of 2x4x4x768 over 768
+        x, p = 2 * 4 * 4 * 768, 2 * 768
+        moved = {row["passes"]: row["MB moved"] for row in rows}
+        assert moved == {"forward": f"{(2 * x + p) * 4 / 1e6:.2f}",
+                         "forward+backward": f"{(5 * x + 3 * p) * 4 / 1e6:.2f}"}
+        _norm_act_kept(rows, x)
+    _time_cells(rows, "tfuse (PyTorch path) ms" if "(CPU)" in table else "tfuse ms", "eager ms", "compile ms")
 
 def test_depthwise_benchmark(quick_run):
     table, rows = _table(quick_run, "depthwise")

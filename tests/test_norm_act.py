@@ -60,25 +60,25 @@ def _eager_layer(x, w, b, r, shape, act, slope, eps=1e-5):
     return torch_activation(act, slope)(z + r if r is not None else z)
 
 
-def _leaves(tensors: dict, dtype=None) -> dict:
+def _leaves(tensors: dict, dtype=None, device=None) -> dict:
     out = {}
     for k, v in tensors.items():
         if v is None:
             out[k] = None
             continue
-        t = v.detach().clone()
+        t = v.detach().clone() if device is None else v.detach().to(device, copy=True)
         if dtype is not None and k in ("x", "r"):
             t = t.to(dtype)
         out[k] = t.requires_grad_()
     return out
 
 
-def _run(fn, tensors: dict, dtype=None, seed=1):
-    """(output, {name: grad}) of fn(**leaves) under a fixed random output gradient."""
-    leaves = _leaves(tensors, dtype)
+def _run(fn, tensors: dict, dtype=None, seed=1, device=None):
+    """(output, {name: grad}) of fn(**leaves) under a fixed random output gradient (on ``device``)."""
+    leaves = _leaves(tensors, dtype, device)
     y = fn(**leaves)
     gen = torch.Generator().manual_seed(seed)
-    gy = torch.randn(y.shape, dtype=torch.float64, generator=gen).to(y.dtype)
+    gy = torch.randn(y.shape, dtype=torch.float64, generator=gen).to(y.dtype).to(y.device)
     y.backward(gy)
     return y, {k: v.grad for k, v in leaves.items() if v is not None}
 
@@ -116,7 +116,8 @@ _GROUP_CASES = [
 
 
 @pytest.mark.parametrize("act, backend, shape, groups, layout, affine, residual, tile", _GROUP_CASES)
-def test_group_norm_act_float64_matches_eager(act, backend, shape, groups, layout, affine, residual, tile, tiles):
+def test_group_norm_act_float64_matches_eager(act, backend, shape, groups, layout, affine, residual, tile, tiles,
+                                               device):
     if layout == "channels_last" and len(shape) < 4:
         layout = "contiguous"  # no channels_last for 2-D/3-D inputs
     tiles(tile)
@@ -124,12 +125,13 @@ def test_group_norm_act_float64_matches_eager(act, backend, shape, groups, layou
     tensors = _group_tensors(shape, layout, affine, residual)
     with tfuse.use_backend(backend):
         y, grads = _run(lambda x, w, b, r: group_norm_act(x, groups, w, b, act=act, negative_slope=slope,
-                                                          residual=r), tensors)
+                                                          residual=r), tensors, device=device)
     want, want_grads = _run(lambda x, w, b, r: _eager_group(x, w, b, r, groups, act, slope if slope else 0.01),
-                            tensors)
+                            tensors, device=device)
     _assert_close64(y, want, "y")
     if layout != "strided" and backend == "triton":
         assert y.stride() == tensors["x"].stride(), "the output keeps x's layout"
+    assert y.device.type == device.type
     for k in want_grads:
         _assert_close64(grads[k], want_grads[k], f"d{k}")
 
@@ -144,7 +146,8 @@ _LAYER_CASES = [
 
 
 @pytest.mark.parametrize("act, backend, shape, normalized, affine, residual, tile", _LAYER_CASES)
-def test_layer_norm_act_float64_matches_eager(act, backend, shape, normalized, affine, residual, tile, tiles):
+def test_layer_norm_act_float64_matches_eager(act, backend, shape, normalized, affine, residual, tile, tiles,
+                                               device):
     tiles(tile)
     slope = -0.25 if act == "leaky_relu" and len(shape) == 3 else (0.1 if act == "leaky_relu" else None)
     dims = (normalized,) if isinstance(normalized, int) else normalized
@@ -157,9 +160,9 @@ def test_layer_norm_act_float64_matches_eager(act, backend, shape, normalized, a
     }
     with tfuse.use_backend(backend):
         y, grads = _run(lambda x, w, b, r: layer_norm_act(x, normalized, w, b, act=act, negative_slope=slope,
-                                                          residual=r), tensors)
+                                                          residual=r), tensors, device=device)
     want, want_grads = _run(lambda x, w, b, r: _eager_layer(x, w, b, r, dims, act, slope if slope else 0.01),
-                            tensors)
+                            tensors, device=device)
     _assert_close64(y, want, "y")
     for k in want_grads:
         _assert_close64(grads[k], want_grads[k], f"d{k}")
@@ -191,7 +194,7 @@ def test_paths_reached(tiles):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["group", "layer"])
-def test_low_precision_within_eager_error(kind, dtype, tiles):
+def test_low_precision_within_eager_error(kind, dtype, tiles, device):
     """tfuse's error against float64 is at most twice eager's own in the same dtype, plus sqrt(n) ulps of the
     statistics (float32 sums over a row of n)."""
     tiles("looped" if dtype == torch.float16 else "whole")
@@ -210,11 +213,11 @@ def test_low_precision_within_eager_error(kind, dtype, tiles):
         eager = lambda x, w, b, r: _eager_layer(x, w, b, r, (48,), act, 0.01)  # noqa: E731
     # Parameters stay float32 as AMP keeps them; x and the residual are in the low dtype.
     tensors = {k: (v.float() if k in ("w", "b") else v) for k, v in tensors.items()}
-    ref, ref_grads = _run(eager, {k: v.double() for k, v in tensors.items()})
+    ref, ref_grads = _run(eager, {k: v.double() for k, v in tensors.items()}, device=device)
     with tfuse.use_backend("triton"):
-        got, got_grads = _run(fused, tensors, dtype)
+        got, got_grads = _run(fused, tensors, dtype, device=device)
     low = {k: (v.to(dtype) if k in ("w", "b") else v) for k, v in tensors.items()}
-    eag, eag_grads = _run(eager, low, dtype)
+    eag, eag_grads = _run(eager, low, dtype, device=device)
     ulp = torch.finfo(dtype).eps
     for name, g, e, r in [("y", got, eag, ref)] + [(k, got_grads[k], eag_grads[k], ref_grads[k]) for k in ref_grads]:
         err = (g.double() - r).abs().max().item()
@@ -224,20 +227,21 @@ def test_low_precision_within_eager_error(kind, dtype, tiles):
 
 
 @pytest.mark.parametrize("kind", ["group", "layer"])
-def test_gradcheck(kind, tiles):
+def test_gradcheck(kind, tiles, device):
     tiles("looped")
     torch.manual_seed(0)
     if kind == "group":
-        x = torch.randn(1, 4, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+        x = torch.randn(1, 4, 5, 5, dtype=torch.float64, device=device)
+        x = x.to(memory_format=torch.channels_last).requires_grad_()
         fn = lambda x, w, b, r: group_norm_act(x, 2, w, b, act="silu", residual=r)  # noqa: E731
         c = 4
     else:
-        x = torch.randn(3, 40, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(3, 40, dtype=torch.float64, device=device, requires_grad=True)
         fn = lambda x, w, b, r: layer_norm_act(x, 40, w, b, act="gelu_tanh", residual=r)  # noqa: E731
         c = 40
-    w = torch.rand(c, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(c, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(x.shape, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(c, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(c, dtype=torch.float64, device=device, requires_grad=True)
+    r = torch.randn(x.shape, dtype=torch.float64, device=device, requires_grad=True)
     # fast_mode: the Jacobian checked along random directions (the full one costs 100+ interpreted calls; the
     # float64 comparisons above check every gradient element against torch's).
     with tfuse.use_backend("triton"):
@@ -245,11 +249,12 @@ def test_gradcheck(kind, tiles):
 
 
 @pytest.mark.parametrize("tile, forward, backward", [("whole", 1, 1), ("looped", 2, 2)])
-def test_launch_counts(tile, forward, backward, tiles):
+def test_launch_counts(tile, forward, backward, tiles, device):
     """One launch each way (two when a group norm's rows are split); d(weight)/d(bias) add torch's sum."""
     tiles(tile)
-    x = torch.randn(1, 8, 6, 6, requires_grad=True)
-    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    x = torch.randn(1, 8, 6, 6, device=device, requires_grad=True)
+    w = torch.ones(8, device=device, requires_grad=True)
+    b = torch.zeros(8, device=device, requires_grad=True)
     with tfuse.use_backend("triton"):
         with count_launches() as launches:
             y = group_norm_act(x, 2, w, b, act="silu")
@@ -257,7 +262,7 @@ def test_launch_counts(tile, forward, backward, tiles):
         with count_launches() as launches:
             y.sum().backward()
         assert launches.total == backward, launches
-        x2 = torch.randn(4, 6, 10, requires_grad=True)
+        x2 = torch.randn(4, 6, 10, device=device, requires_grad=True)
         with count_launches() as launches:
             layer_norm_act(x2, 10, act="gelu").sum().backward()
         assert launches.total == 2, launches

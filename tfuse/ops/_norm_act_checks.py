@@ -21,14 +21,16 @@ from tfuse.ops._checks import check_float_dtype
 
 @dataclasses.dataclass(frozen=True)
 class NormActCall:
-    """A checked call: the activation, its slope, eps, and the shape of what is normalised."""
+    """A checked call: the op, the activation, its slope, eps, and the shape of what is normalised."""
 
+    op: str
     act: Activation
     negative_slope: float
     eps: float
     channels: int  # elements of weight and bias (C for group norm, prod(normalized_shape) for layer norm)
     groups: int  # group norm's num_groups; 1 for layer norm
     normalized_ndim: int  # layer norm's trailing dimensions; 0 for group norm
+    normalized_shape: tuple[int, ...]  # layer norm's; () for group norm
 
 
 def _check_eps(op: str, eps: object) -> float:
@@ -91,7 +93,7 @@ def check_group_norm_call(x, num_groups, weight, bias, residual, eps, act, negat
             f"(shape {list(x.shape)})"
         )
     activation, slope, value = _check_common(op, x, weight, bias, residual, eps, act, negative_slope, (channels,))
-    return NormActCall(activation, slope, value, channels, int(num_groups), 0)
+    return NormActCall(op, activation, slope, value, channels, int(num_groups), 0, ())
 
 
 def normalized_shape_of(op: str, normalized_shape: object) -> tuple[int, ...]:
@@ -115,4 +117,48 @@ def check_layer_norm_call(x, normalized_shape, weight, bias, residual, eps, act,
     if tuple(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"tfuse.{op}: x of shape {list(x.shape)} does not end in normalized_shape {list(shape)}")
     activation, slope, value = _check_common(op, x, weight, bias, residual, eps, act, negative_slope, shape)
-    return NormActCall(activation, slope, value, math.prod(shape), 1, len(shape))
+    return NormActCall(op, activation, slope, value, math.prod(shape), 1, len(shape), shape)
+
+
+_CHECKS = {"group_norm_act": check_group_norm_call, "layer_norm_act": check_layer_norm_call}
+#: Calls whose arguments passed the checks, by :func:`_call_key`: a layer calls with the same shapes, dtypes
+#: and options step after step, so its checks run once (the PyTorch path then costs about what eager does).
+_checked: dict[tuple, NormActCall] = {}
+_MAX_CHECKED = 256
+
+
+def _tensor_key(t: object) -> tuple | None:
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        raise TypeError  # not cacheable: the checks run and say what is wrong
+    return (t.dtype, t.shape, t.device)
+
+
+def checked_call(op: str, x, groups_or_shape, weight, bias, residual, eps, act, negative_slope) -> NormActCall:  # type: ignore[no-untyped-def]
+    """The checks of ``op`` (``"group_norm_act"`` or ``"layer_norm_act"``), run once per distinct call."""
+    try:
+        shape_key = (
+            tuple(groups_or_shape) if isinstance(groups_or_shape, (list, tuple, torch.Size)) else groups_or_shape
+        )
+        key = (
+            op,
+            *map(_tensor_key, (x, weight, bias, residual)),
+            type(groups_or_shape),
+            shape_key,
+            type(eps),
+            eps,
+            act,
+            type(negative_slope),
+            negative_slope,
+        )
+        call = _checked.get(key)
+    except TypeError:  # a non-tensor or an unhashable argument: checked every call
+        key = call = None
+    if call is None:
+        call = _CHECKS[op](x, groups_or_shape, weight, bias, residual, eps, act, negative_slope)
+        if key is not None:
+            if len(_checked) >= _MAX_CHECKED:
+                _checked.clear()
+            _checked[key] = call
+    return call

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tfuse._backend import Backend, log_backend_once, requested_backend, select_backend
 from tfuse.ops._depthwise_args import autocast_dtype
 from tfuse.ops._library import compiling
-from tfuse.ops._norm_act_checks import NormActCall, check_group_norm_call, check_layer_norm_call, normalized_shape_of
+from tfuse.ops._norm_act_checks import NormActCall, checked_call
 from tfuse.ops._norm_act_triton import NormActFunction, affine_pair, forward, grad_needed
 
 _log = logging.getLogger(__name__)
@@ -79,19 +79,8 @@ def group_norm_act(
             negative or non-finite eps, an unknown activation or a slope with one other than leaky_relu.
         RuntimeError: tensors on different devices.
     """
-    call = check_group_norm_call(x, num_groups, weight, bias, residual, eps, act, negative_slope)
-
-    def torch_path() -> torch.Tensor:
-        # torch 2.13's group norm backward fails ("tensor does not have a device") for a bias without a
-        # weight; a weight of ones computes the same.
-        w = torch.ones_like(bias) if weight is None and bias is not None else weight
-        if _cpu_backward_would_crash(x, w, bias):
-            layout = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else None
-            y = F.group_norm(x.contiguous(), call.groups, w, bias, call.eps)
-            return _finish(y.contiguous(memory_format=layout) if layout else y, residual, call)
-        return _finish(F.group_norm(x, call.groups, w, bias, call.eps), residual, call)
-
-    return _run("group_norm_act", call, x, weight, bias, residual, torch_path)
+    call = checked_call("group_norm_act", x, num_groups, weight, bias, residual, eps, act, negative_slope)
+    return _run(call, x, weight, bias, residual)
 
 
 def layer_norm_act(
@@ -131,13 +120,25 @@ def layer_norm_act(
             errors of :func:`group_norm_act`.
         RuntimeError: tensors on different devices.
     """
-    call = check_layer_norm_call(x, normalized_shape, weight, bias, residual, eps, act, negative_slope)
-    shape = normalized_shape_of("layer_norm_act", normalized_shape)
+    call = checked_call("layer_norm_act", x, normalized_shape, weight, bias, residual, eps, act, negative_slope)
+    return _run(call, x, weight, bias, residual)
 
-    def torch_path() -> torch.Tensor:
-        return _finish(F.layer_norm(x, shape, weight, bias, call.eps), residual, call)
 
-    return _run("layer_norm_act", call, x, weight, bias, residual, torch_path)
+def _torch_path(call: NormActCall, x, weight, bias, residual) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """torch's own composition: F.group_norm / F.layer_norm, the residual add, the activation."""
+    if call.normalized_ndim:
+        z = F.layer_norm(x, call.normalized_shape, weight, bias, call.eps)
+    else:
+        # torch 2.13's group norm backward fails ("tensor does not have a device") for a bias without a
+        # weight; a weight of ones computes the same.
+        w = torch.ones_like(bias) if weight is None and bias is not None else weight
+        if _cpu_backward_would_crash(x, w, bias):
+            layout = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else None
+            z = F.group_norm(x.contiguous(), call.groups, w, bias, call.eps)
+            z = z.contiguous(memory_format=layout) if layout else z
+        else:
+            z = F.group_norm(x, call.groups, w, bias, call.eps)
+    return _finish(z, residual, call)
 
 
 def _cpu_backward_would_crash(x: torch.Tensor, weight, bias) -> bool:  # type: ignore[no-untyped-def]
@@ -214,15 +215,15 @@ def _eager_class(op: str, x: torch.Tensor, call: NormActCall) -> bool:
     return True
 
 
-def _run(op: str, call: NormActCall, x, weight, bias, residual, torch_path) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The Triton path, or ``torch_path()`` (compiling, the PyTorch backend, an eager shape class, or an
-    empty x)."""
+def _run(call: NormActCall, x, weight, bias, residual) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The Triton path, or torch's (compiling, the PyTorch backend, an eager shape class, or an empty x)."""
+    op = call.op
     if compiling() or x.numel() == 0:
-        return torch_path()
+        return _torch_path(call, x, weight, bias, residual)
     backend = select_backend(x.device, op, x.numel())
     log_backend_once(_log, op, backend, x.device)
     if backend is Backend.TORCH or _eager_class(op, x, call):
-        return torch_path()
+        return _torch_path(call, x, weight, bias, residual)
     out_dtype = _out_dtype(x, residual)
     args = (call, out_dtype, x, weight, bias, residual)
     if grad_needed(x, weight, bias, residual):
