@@ -243,6 +243,29 @@ def _na_store_grads(
         tl.store(dres_ptr + offsets, _cast_to(dz, dres_ptr.dtype.element_ty, EMULATE_BF16_RTNE), mask=mask)
 
 
+@triton.jit
+def _na_dx_chunk(
+    dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, dx_ptr, dres_ptr, g, base, a_begin, a_end, A, B, sA, mean, rstd,
+    sum_wdz, sum_wdz_xhat, inv_count, negative_slope,
+    CH: tl.constexpr, AFFINE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+    ACT: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DRES: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
+    acc: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+):
+    """The dx pass over runs [a_begin, a_end) of a row whose sums are known: dz recomputed tile by tile."""
+    for a0 in range(a_begin, a_end, BA):
+        for b0 in range(0, B, BB):
+            a, b, offsets, mask = _na_tile(base, a0, a_end, b0, B, sA, BA, BB)
+            w, bias = _na_affine(w_ptr, bias_ptr, g, a, b, A, B, CH, AFFINE, acc)
+            dz, x_hat = _na_grad_z(
+                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, rstd, w, bias, negative_slope,
+                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
+            )
+            _na_store_grads(
+                dx_ptr, dres_ptr, offsets, mask, dz, w * dz, x_hat, rstd, sum_wdz, sum_wdz_xhat, inv_count,
+                WRITE_DX, WRITE_DRES, EMULATE_BF16_RTNE,
+            )
+
+
 @triton.jit(do_not_specialize=["R", "G", "A", "a_per", "rows_per_prog"])
 def _na_bwd_kernel(
     dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, mean_ptr, rstd_ptr, part_ptr, dw_part_ptr, db_part_ptr,
@@ -333,18 +356,11 @@ def _na_bwd_kernel(
             tl.store(out, total)
             tl.store(out + 1, total_xhat)
         elif not ONE_TILE:
-            for a0 in range(a_begin, a_end, BA):
-                for b0 in range(0, B, BB):
-                    a, b, offsets, mask = _na_tile(base, a0, a_end, b0, B, sA, BA, BB)
-                    w, bias = _na_affine(w_ptr, bias_ptr, g, a, b, A, B, CH, AFFINE, acc)
-                    dz, x_hat = _na_grad_z(
-                        dy_ptr, src_ptr, x_ptr, offsets, mask, mean, rstd, w, bias, negative_slope,
-                        HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
-                    )
-                    _na_store_grads(
-                        dx_ptr, dres_ptr, offsets, mask, dz, w * dz, x_hat, rstd, total, total_xhat, inv_count,
-                        WRITE_DX, WRITE_DRES, EMULATE_BF16_RTNE,
-                    )
+            _na_dx_chunk(
+                dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, dx_ptr, dres_ptr, g, base, a_begin, a_end, A, B, sA, mean,
+                rstd, total, total_xhat, inv_count, negative_slope, CH, AFFINE, HAS_RESIDUAL, FROM_OUTPUT, ACT,
+                WRITE_DX, WRITE_DRES, BA, BB, acc, EMULATE_BF16_RTNE,
+            )
     if WRITE_DWB and CH == CH_B and not DWB_IN_MEMORY:
         b = tl.arange(0, BB)
         g_first = r_begin % G  # every row of the program has this group (G == 1, or one row per program)
@@ -373,15 +389,8 @@ def _na_bwd_dx_kernel(
     mean = tl.load(mean_ptr + r).to(acc)
     rstd = tl.load(rstd_ptr + r).to(acc)
     inv_count = 1.0 / (A * B).to(acc)
-    for a0 in range(a_begin, a_end, BA):
-        for b0 in range(0, B, BB):
-            a, b, offsets, mask = _na_tile(base, a0, a_end, b0, B, sA, BA, BB)
-            w, bias = _na_affine(w_ptr, bias_ptr, g, a, b, A, B, CH, AFFINE, acc)
-            dz, x_hat = _na_grad_z(
-                dy_ptr, src_ptr, x_ptr, offsets, mask, mean, rstd, w, bias, negative_slope,
-                HAS_RESIDUAL, FROM_OUTPUT, ACT, acc,
-            )
-            _na_store_grads(
-                dx_ptr, dx_ptr, offsets, mask, dz, w * dz, x_hat, rstd, total, total_xhat, inv_count,
-                True, False, EMULATE_BF16_RTNE,
-            )
+    _na_dx_chunk(
+        dy_ptr, src_ptr, x_ptr, w_ptr, bias_ptr, dx_ptr, dx_ptr, g, base, a_begin, a_end, A, B, sA, mean, rstd,
+        total, total_xhat, inv_count, negative_slope, CH, AFFINE, HAS_RESIDUAL, FROM_OUTPUT, ACT, True, False,
+        BA, BB, acc, EMULATE_BF16_RTNE,
+    )

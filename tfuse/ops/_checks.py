@@ -115,3 +115,15 @@ def is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def affine_pair(weight: torch.Tensor | None, bias: torch.Tensor | None):  # type: ignore[no-untyped-def]
+    """Both or neither of a norm's weight and bias, dense (kernels index them densely): torch normalises with
+    weight 1 (or bias 0) when only the other is given."""
+    if weight is None and bias is not None:
+        weight = torch.ones_like(bias)
+    elif bias is None and weight is not None:
+        bias = torch.zeros_like(weight)
+    if weight is not None:
+        weight, bias = weight.contiguous(), bias.contiguous()
+    return weight, bias

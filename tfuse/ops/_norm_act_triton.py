@@ -28,6 +28,7 @@ from tfuse._kit import acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next
 from tfuse._launch import launch, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import GradSource
+from tfuse.ops._checks import affine_pair
 from tfuse.ops._norm_act_checks import NormActCall
 
 #: Elements of a looping program's tile, and the largest row (group) one program holds in registers whole.
@@ -303,17 +304,6 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
         if need_b:
             dbias = db_part.sum(0).to(bias.dtype).view(bias.shape)
     return dx, dweight, dbias, dres
-
-
-def affine_pair(weight, bias):  # type: ignore[no-untyped-def]
-    """Both or neither of weight and bias, dense: torch normalises with weight 1 (or bias 0) when one is None."""
-    if weight is None and bias is not None:
-        weight = torch.ones_like(bias)
-    elif bias is None and weight is not None:
-        bias = torch.zeros_like(weight)
-    if weight is not None:
-        weight, bias = weight.contiguous(), bias.contiguous()
-    return weight, bias
 
 
 class NormActFunction(torch.autograd.Function):

@@ -46,6 +46,7 @@ from tfuse.ops._bn_checks import _check_call
 from tfuse.ops._bn_geometry import _layout
 from tfuse.ops._bn_passes import _backward_kernels, _statistics
 from tfuse.ops._bn_plans import _BatchNormSpec, _plan_of, _spec
+from tfuse.ops._checks import affine_pair
 from tfuse.ops._depthwise_args import (
     ConvSpec,
     _check_output_size,
@@ -172,17 +173,6 @@ class _Block:
     bn: _BatchNormSpec  # identity activation: the block's activation is applied on the convolution's load
 
 
-def _affine_pair(weight, bias):  # type: ignore[no-untyped-def]
-    """Both or neither of batch norm's weight and bias, dense (the kernels index them densely)."""
-    if weight is None and bias is not None:
-        weight = torch.ones_like(bias)
-    elif bias is None and weight is not None:
-        bias = torch.zeros_like(weight)
-    if weight is not None:
-        weight, bias = weight.contiguous(), bias.contiguous()
-    return weight, bias
-
-
 def _eval_table(x, running_mean, running_var, weight, bias, eps: float) -> torch.Tensor:
     """Batch norm's per-channel table [mean, 1/std, scale, bias] from the running statistics (eval)."""
     dtype = acc_dtype(x.dtype)
@@ -198,7 +188,7 @@ class _BatchNormActDepthwiseFunction(torch.autograd.Function):
     def forward(ctx, block: _Block, x, running_mean, running_var, bn_weight, bn_bias, conv_weight, conv_bias):  # type: ignore[override]
         ctx.block = block
         if block.conv.backend is Backend.TRITON:
-            weight, bias = _affine_pair(bn_weight, bn_bias)
+            weight, bias = affine_pair(bn_weight, bn_bias)
             if running_mean is not None and not (running_mean.is_contiguous() and running_var.is_contiguous()):
                 raise ValueError(f"tfuse.{_OP}: running_mean and running_var must be contiguous")
             y, stats, table = _forward_triton_block(

@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from tfuse._backend import Backend, log_backend_once, requested_backend, select_backend
+from tfuse.ops._checks import affine_pair
 from tfuse.ops._depthwise_args import autocast_dtype
 from tfuse.ops._library import compiling
 from tfuse.ops._norm_act_checks import NormActCall, checked_call
-from tfuse.ops._norm_act_triton import NormActFunction, affine_pair, forward, grad_needed
+from tfuse.ops._norm_act_triton import NormActFunction, forward, grad_needed
 
 _log = logging.getLogger(__name__)
 
