@@ -228,7 +228,7 @@ def test_a_whole_coalesced_model_pickles_and_loads(device):
     back = loaded(saved_bytes(model), weights_only=False)
     for mine, theirs in zip(back.parameters(), model.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-    assert flat_params_of(back[0].weight) is None  # loaded as a plain model (its parameters views of one loaded storage)
+    assert flat_params_of(back[0].weight) is None  # loaded as a plain model (each parameter its own storage)
     assert len(saved_bytes(back[0].state_dict())) <= len(saved_bytes(nn.Linear(128, 128).state_dict())) + 512
     back[0].weight.data = back[0].weight.detach().clone()  # a plain model's parameters can be anything
     assert len(saved_bytes(back[0].state_dict())) <= len(saved_bytes(nn.Linear(128, 128).state_dict())) + 512

@@ -31,7 +31,7 @@ from tfuse.distributed._state_sync import broadcast_tensors
 from tfuse.distributed.data_parallel import FusedDataParallel
 from tfuse.distributed.local_sgd_options import AdaptiveInterval, OuterSGD
 from tfuse.distributed.sharded import ShardedOptimizer
-from tfuse.flat import FlatParams, flat_params_of
+from tfuse.flat import FlatParams, flat_params_of, register_compact_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class LocalSGD:
         self.divergence: float | None = None  # measured at the last sync (with adaptive)
         self.world_size = dist.get_world_size(process_group)
         self.flat = self._flat_params(model)
+        register_compact_state_dict(model)  # a part's state dict, deep-copied, holds only its elements
         self._check_optimizer()
         if self.wrapper is None:  # (the wrapper checked its replicas already)
             # Before the first collective: models of different shapes would hang or abort in the broadcast.

@@ -23,7 +23,8 @@ gradient reaches its bucket"), parameters whose storage is replaced
 
 Inside: ``_flat_params`` (FlatParams: the layout, and its statement),
 ``_grad_path`` (its gradient methods), ``_storage_guard`` (replaced
-storage), ``_copies`` (deep copies, pickles, compact state dicts),
+storage), ``_copies`` (deep copies, pickles, compact state dicts), ``_compact_pickle``
+(views of flat buffers pickle as their own elements),
 ``_records`` (ParamRange, Bucket, Shard, FlatGroup), ``_checks`` (argument
 checks, shared helpers) and ``_home`` (:func:`flat_params_of`).
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch  # noqa: F401  (the records' string annotations name torch: typing.get_type_hints resolves them here)
 
+from tfuse.flat._compact_pickle import mark_compact
 from tfuse.flat._copies import _compact_state_dict_hook, register_compact_state_dict
 from tfuse.flat._flat_params import FlatParams
 from tfuse.flat._grad_path import GradHome
@@ -52,6 +54,7 @@ __all__ = [
     "ParamRange",
     "Shard",
     "flat_params_of",
+    "mark_compact",
     "register_compact_state_dict",
 ]
 
@@ -81,6 +84,7 @@ _publish(
     Shard,
     FlatGroup,
     flat_params_of,
+    mark_compact,
     register_compact_state_dict,
     _compact_state_dict_hook,
 )

@@ -5,9 +5,10 @@ parameters, and a pickle stores the parameters and options and coalesces
 them again on loading (:func:`deep_copy`, :func:`pickled_state`,
 :func:`restore_pickled`, behind FlatParams' ``__deepcopy__``,
 ``__getstate__`` and ``__setstate__``). A coalesced parameter is a view of a
-whole flat buffer, which ``torch.save`` would write whole:
-:func:`register_compact_state_dict` makes ``state_dict()`` entries pickle
-only their own elements. docs/architecture.md ("Copies and serialisation")
+whole flat buffer, which ``torch.save`` would write whole: views of flat
+buffers pickle as their own elements (``_compact_pickle``), and
+:func:`register_compact_state_dict` makes ``state_dict()`` entries *deep-copy*
+as their own elements too. docs/architecture.md ("Copies and serialisation")
 has the whole account.
 """
 
@@ -140,18 +141,31 @@ def _spans_less_than_storage(tensor: torch.Tensor) -> bool:
 
 
 def register_compact_state_dict(module: torch.nn.Module) -> None:
-    """Makes ``state_dict()`` of ``module`` and of each submodule serialise coalesced parameters compactly.
+    """Makes ``state_dict()`` of ``module`` and of each submodule copy coalesced parameters compactly.
 
-    A coalesced parameter is a view of a flat buffer, and ``torch.save``
-    writes a view's whole storage: one layer's ``state_dict()`` would carry
-    every parameter of the buffer. After this call each parameter entry that
-    is a view of a bigger storage is an alias of the parameter (as torch's
-    entries are: in-place writes reach it) that pickles only its own
-    elements, sharing no storage with other entries (tied parameters still
-    share one). Idempotent; the hooks travel with deep copies and pickles of
-    the module (a whole coalesced model pickled with ``torch.save(model)``
-    loads as a plain model whose parameters are views of one storage: its
-    state dicts stay compact too).
+    A coalesced parameter is a view of a flat buffer. Pickling one writes
+    only its own elements already (tfuse marks its buffers: see
+    docs/architecture.md), but ``copy.deepcopy`` of a tensor copies its whole
+    storage, so a deep copy of one layer's state dict would copy the buffer.
+    After this call each parameter entry that is a view of a bigger storage
+    is an alias of the parameter (as torch's entries are: in-place writes
+    reach it) whose deep copy and pickle hold only its own elements (tied
+    parameters still share one). Idempotent; the hooks travel with deep
+    copies and pickles of the module. ``FlatParams(module)``,
+    FusedDataParallel, LocalSGD and ``tfuse.setup`` call it for you; a fused
+    optimizer built from ``model.parameters()`` does not know the module:
+    call it on the model there if you deep-copy parts of its state dict.
+
+    Example:
+        >>> import copy, io, torch
+        >>> from tfuse.flat import register_compact_state_dict
+        >>> from tfuse.optim import FusedAdam
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        >>> optimizer = FusedAdam(model.parameters())  # coalesces: the parameters are views of one buffer
+        >>> register_compact_state_dict(model)
+        >>> part = copy.deepcopy(model[0].state_dict())
+        >>> part["weight"].untyped_storage().nbytes() == 64 * 64 * 4  # not the whole buffer
+        True
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"register_compact_state_dict: module must be a torch.nn.Module, got {type(module).__name__}")

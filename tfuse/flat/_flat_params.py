@@ -31,6 +31,7 @@ from tfuse.flat._checks import (
     _size,
     _unique_params,
 )
+from tfuse.flat._compact_pickle import mark_compact
 from tfuse.flat._copies import register_compact_state_dict
 from tfuse.flat._grad_path import _GradPath
 from tfuse.flat._home import _HOME_ATTR
@@ -204,6 +205,7 @@ class FlatParams(_GradPath):
         for buffer in (data, grad):
             if buffer is not None:
                 setattr(buffer.untyped_storage(), _HOME_ATTR, home)
+        mark_compact(data, grad)  # a parameter or gradient pickles as its own elements, not the buffer
         group = FlatGroup(
             device,
             dtype,

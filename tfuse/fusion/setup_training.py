@@ -104,6 +104,7 @@ def setup(
     """
     from tfuse import optim as tfuse_optim
     from tfuse.distributed import FusedDataParallel, LocalSGD, ShardedOptimizer
+    from tfuse.flat import register_compact_state_dict
     from tfuse.optim import FlatOptimizer
 
     strategy = FusionStrategy() if strategy is None else strategy
@@ -179,6 +180,7 @@ def setup(
                 f"LocalSGD: parameters averaged every {strategy.local_sgd_every} iterations after "
                 f"{strategy.local_sgd_warmup} warm-up iterations; call setup.step() (or its local_sgd.step())"
             )
+    register_compact_state_dict(fused)  # a part's state dict, deep-copied, holds only its own elements
     for line in summary:
         logger.info("tfuse.setup: %s", line)
     return Setup(wrapped, built, report, local_sgd, summary)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tfuse.flat import FlatGroup
+from tfuse.flat import FlatGroup, mark_compact
 from tfuse.optim._update import FlatBuffers
 
 
@@ -98,6 +98,7 @@ class FlatState:
                 buffer = self.buffers[name] = self.ensure(self.aliases[name])
             else:
                 buffer = self.buffers[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.group.device)
+                mark_compact(buffer)  # a parameter's state pickles as its own elements, not the buffer
         return buffer
 
     def ensure_master(self) -> torch.Tensor:
@@ -106,6 +107,7 @@ class FlatState:
             raise RuntimeError("FlatState: master copies are kept only with master_weights=True")
         if self.master is None:
             self.master = self.group.data[self.start : self.end].to(torch.float32)
+            mark_compact(self.master)
         return self.master
 
     def buffers_for_update(self) -> FlatBuffers:
