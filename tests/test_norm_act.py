@@ -136,7 +136,7 @@ def test_group_norm_act_float64_matches_eager(act, backend, shape, groups, layou
         _assert_close64(grads[k], want_grads[k], f"d{k}")
 
 
-_LAYER_SHAPES = [((3, 5, 24), (24,)), ((2, 3, 4, 5), (4, 5)), ((9, 40), (40,)), ((2, 2, 3), 3)]
+_LAYER_SHAPES = [((5, 8, 24), (24,)), ((2, 3, 4, 5), (4, 5)), ((9, 40), (40,)), ((2, 2, 3), 3)]
 _LAYER_CASES = [
     (act, backend, *_LAYER_SHAPES[(j + k) % 4], _AFFINE[(j + 3 * k) % 4], (j + k) % 2 == 1,
      ["whole", "looped"][(j // 2 + k) % 2])

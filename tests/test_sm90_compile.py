@@ -263,9 +263,9 @@ ROOFLINE_CASES = [
 # Group norm in channels_last: a row is one (sample, group), and the tile's B dimension is the group's channels at
 # one pixel (Cg = 10 for 320 channels in 32 groups, padded to 16 lanes), runs of Cg elements C apart: no access of
 # x, y, dy or dx can be 16 bytes wide and aligned unless Cg is a multiple of 8 (here two elements at best).
-# Layer norm over 96 channels (ConvNeXt-T's first stage): one row per program, a 128-lane tile over the launcher's
-# 4 warps is one element per thread (16-bit). One warp would make it 4 (64-bit; 41 and 59 registers and no
-# barrier in backward, in a trial compile); 128-bit needs several rows per program, a kernel change not made.
+# Layer norm over 96 channels (ConvNeXt-T's first stage): one row per program, a 128-lane tile; the launcher gives
+# such short rows one warp, 4 elements per thread: 64-bit (over 4 warps it was one element, 16-bit). 128-bit needs
+# several rows per program, a kernel change not made.
 NARROW_BY_DESIGN = {c for c in ROOFLINE_CASES if c.startswith(("dw_", "bndw_")) and "_nchw_" in c} | {
     c for c in ROOFLINE_CASES if c.startswith("bndw_") and "_k5" in c and c.endswith(("_bf16", "_fp16"))} | {
     c for c in ROOFLINE_CASES if c.startswith("gn_") and "_cl_" in c} | {"ln_8x56x56x96_bf16"}

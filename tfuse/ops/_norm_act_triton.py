@@ -24,7 +24,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tfuse import kernels
-from tfuse._kit import acc_dtype, acc_fp64, emulate_bf16_rtne, needs_int64, next_power_of_2, num_warps, split_float
+from tfuse._kit import (
+    NUM_WARPS,
+    acc_dtype,
+    acc_fp64,
+    emulate_bf16_rtne,
+    needs_int64,
+    next_power_of_2,
+    num_warps,
+    split_float,
+)
 from tfuse._launch import launch, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import GradSource
@@ -36,6 +45,8 @@ _TILE = 2048
 _MAX_ONE_TILE = 8192
 #: Most chunks a group norm row is split into (the normalise kernel merges them in one vector).
 _MAX_SPLITS = 256
+#: Elements each thread holds of a tile (8 bfloat16: one 128-bit access).
+_ELEMENTS_PER_THREAD = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +147,14 @@ def _new_plan(view: NormView, dtype: torch.dtype, target: int, numel: int) -> No
         wanted = min(math.ceil(target / view.rows), math.ceil(view.a / ba), _MAX_SPLITS)
         a_per = math.ceil(math.ceil(view.a / wanted) / ba) * ba
         splits = math.ceil(view.a / a_per)
-    if view.groups == 1 and view.ch == codes.NORM_CH_B:  # layer norm: a block of rows per backward program
-        programs = max(1, min(view.rows, target))
+    warps = num_warps(ba * bb, _ELEMENTS_PER_THREAD)
+    layer_norm = view.groups == 1 and view.ch == codes.NORM_CH_B
+    if layer_norm and one_tile and ba * bb < NUM_WARPS * 32 * _ELEMENTS_PER_THREAD:
+        # A short row (ConvNeXt's 96 to 384 channels) over 4 warps leaves 1-2 elements per thread, 16-bit
+        # accesses (sm_90 compile); fewer warps give each thread 4-8 contiguous elements.
+        warps = max(1, ba * bb // (32 * _ELEMENTS_PER_THREAD))
+    if layer_norm:  # a block of rows per backward program; as many warps resident as with 4-warp programs
+        programs = max(1, min(view.rows, target * NUM_WARPS // warps))
         rows_per_prog = math.ceil(view.rows / programs)
         programs = math.ceil(view.rows / rows_per_prog)
     else:
@@ -152,7 +169,7 @@ def _new_plan(view: NormView, dtype: torch.dtype, target: int, numel: int) -> No
         s_pad=next_power_of_2(splits),
         rows_per_prog=rows_per_prog,
         programs=programs,
-        warps=num_warps(ba * bb, 8),
+        warps=warps,
         index_64=needs_int64(reach),
     )
 
