@@ -283,7 +283,8 @@ def _na_bwd_kernel(
     part[(row * S + chunk) * 2 + (0, 1)] for the dx kernel, otherwise a
     second pass (none with ONE_TILE) writes dx here. WRITE_DRES writes
     d(residual) = dz. WRITE_DWB: the channels' sums of dz * x_hat and dz go to
-    row ``prow`` of dw_part/db_part ([rows, C] float32): CH_A, a sample's
+    row ``prow`` of dw_part/db_part (float32 rows ``C`` elements apart: the
+    launcher interleaves the two, so one sum reduces both): CH_A, a sample's
     channels (prow = n, written once); CH_B, (prow = n * S + chunk), summed
     in registers over this program's rows when a run fits one tile (B <= BB),
     else added in memory (DWB_IN_MEMORY: the launcher zeroes the partials).

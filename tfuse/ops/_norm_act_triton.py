@@ -186,8 +186,8 @@ def forward(x, weight, bias, residual, call: NormActCall, out_dtype: torch.dtype
     plan = norm_plan(view, x.dtype, x.device, x.numel())
     acc = acc_dtype(x.dtype)
     y = torch.empty_like(x, dtype=out_dtype)
-    mean = torch.empty(view.rows, dtype=acc, device=x.device)
-    rstd = torch.empty_like(mean)
+    stats = torch.empty((2, view.rows), dtype=acc, device=x.device)  # one allocation: mean, 1/std
+    mean, rstd = stats[0], stats[1]
     part = mean
     common = dict(BA=plan.ba, BB=plan.bb, INDEX_64=plan.index_64, ACC_FP64=acc_fp64(x.dtype), num_warps=plan.warps)
     if plan.split:
@@ -249,10 +249,11 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
         else:
             part_rows = plan.programs // view.groups * plan.splits
         make = torch.zeros if in_memory else torch.empty
-        dw_part = make((part_rows, view.channels), dtype=acc, device=device)
-        db_part = make((part_rows, view.channels), dtype=acc, device=device)
+        # One [rows, 2, C] tensor (d(weight) then d(bias) partials in each row): one sum reduces both.
+        partials = make((part_rows, 2, view.channels), dtype=acc, device=device)
+        dw_part, db_part = partials[:, 0], partials[:, 1]
     else:
-        dw_part = db_part = mean
+        partials = dw_part = db_part = mean
     part = torch.empty(view.rows * plan.splits * 2, dtype=acc, device=device) if plan.split else mean
     placeholder = weight if weight is not None else x
     bias_arg = bias if bias is not None else placeholder
@@ -292,7 +293,7 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
             *_geometry(view),
             plan.a_per,
             plan.rows_per_prog,
-            view.channels,
+            2 * view.channels,  # the partials' row stride
             *slope,
         ),
         dict(
@@ -316,10 +317,11 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
         )
     dweight = dbias = None
     if need_wb:
+        sums = partials.sum(0)
         if need_w:
-            dweight = dw_part.sum(0).to(weight.dtype).view(weight.shape)
+            dweight = sums[0].to(weight.dtype).view(weight.shape)
         if need_b:
-            dbias = db_part.sum(0).to(bias.dtype).view(bias.shape)
+            dbias = sums[1].to(bias.dtype).view(bias.shape)
     return dx, dweight, dbias, dres
 
 
