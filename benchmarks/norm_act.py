@@ -21,6 +21,7 @@ keeps for backward (x counted, the parameters and the output not), as in the dep
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 import triton.testing
 
 import tfuse
+from tfuse.ops import norm_act as norm_act_ops
+from tfuse.ops._norm_act_checks import checked_call
 
 from .harness import (
     CHECK_COLUMN,
@@ -164,6 +167,13 @@ class _Case:
 
         self.fused, self.eager = fused, eager
 
+    def shape_class(self) -> tuple:
+        """The key of the op's dispatch rule (``tfuse.ops.norm_act.EAGER_SHAPE_CLASSES``) for this input."""
+        op = GROUP_NORM if self.shape.groups else LAYER_NORM
+        shape_arg = self.shape.groups if self.shape.groups else self.shape.dims[-1:]
+        call = checked_call(op, self.x, shape_arg, self.weight, self.bias, None, self.shape.eps, self.shape.act, None)
+        return norm_act_ops.shape_class(op, self.x, call)
+
     def leaves(self, grad: bool) -> tuple[torch.Tensor, ...]:
         return tuple(t.detach().requires_grad_(grad) for t in (self.x, self.weight, self.bias))
 
@@ -236,6 +246,7 @@ def _measure(ctx: Context, shape: Shape, batch: int, dtype: torch.dtype, layout:
         row: dict[str, Any] = {
             "net": shape.net, "act": shape.act, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
             "shape": f"{batch}x{shape.label}", "passes": passes, "mbytes": nbytes / 1e6,
+            "shape_class": case.shape_class(),
         }
         with tfuse.use_backend(backend):
             _check("tfuse", case.fused, case.eager, leaves, dtype, training)
@@ -288,7 +299,7 @@ def _notes(ctx: Context, family: str) -> list[str]:
             "launches: Triton launches of tfuse.functional.group_norm_act, forward + backward (1 + 1, or 2 + 2 when "
             "samples x groups are too few rows to fill the device and each row is split: a statistics kernel before "
             "the normalising one, a dx kernel after the sums), counted with tfuse.count_launches. Not counted there: "
-            "backward's two torch sums of the per-channel partials into d(weight) and d(bias).",
+            "backward's torch sum of the per-channel partials into d(weight) and d(bias) (one sum for both).",
             "kept MB: what autograd keeps for backward (saved_tensors_hooks, distinct storages; parameters and the "
             "output not counted, x counted). tfuse keeps x and each row's mean and 1/std (and the output for ReLU, "
             "uncounted); eager keeps x and F.group_norm's statistics, and F.silu its input (the normalised tensor, "
@@ -305,8 +316,8 @@ def _notes(ctx: Context, family: str) -> list[str]:
             "and dy once backward: the minimum bytes, plus the per-row statistics and d(weight)/d(bias) partials. "
             "GELU's derivative is recomputed from x.",
             "launches: Triton launches of tfuse.functional.layer_norm_act, forward + backward (1 + 1), counted with "
-            "tfuse.count_launches. Not counted there: backward's two torch sums of the per-block partials into "
-            "d(weight) and d(bias).",
+            "tfuse.count_launches. Not counted there: backward's torch sum of the per-block partials into "
+            "d(weight) and d(bias) (one sum for both).",
             "kept MB: what autograd keeps for backward (saved_tensors_hooks, distinct storages; parameters and the "
             "output not counted, x counted). tfuse keeps x and each row's mean and 1/std; eager keeps x, "
             "F.layer_norm's statistics and F.gelu's input (the normalised tensor, a second x-sized tensor).",
@@ -325,6 +336,34 @@ def _notes(ctx: Context, family: str) -> list[str]:
     if not ctx.use_compile:
         notes.append("torch.compile was not measured (--no-compile).")
     return notes
+
+
+def class_verdicts(rows: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
+    """Per shape class of the forward+backward rows (GPU: the Triton path against eager): (class, verdict).
+
+    A class belongs in ``EAGER_SHAPE_CLASSES`` when the kernels were slower than eager in every measured row of
+    it, with no marked timing; a mixed or marked class is said to be so.
+    """
+    by_class: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["passes"] == "forward+backward" and row.get("vs_eager") is not None:
+            by_class[row["shape_class"]].append(row)
+    verdicts = []
+    for key, members in by_class.items():
+        ratios = ", ".join(f"{row['net']} {row['shape']} {row['vs_eager']:.2f}x" for row in members)
+        listed = key in norm_act_ops.EAGER_SHAPE_CLASSES
+        if any(row.get("flags", {}).get("vs_eager") for row in members):
+            verdict = f"not decided: a marked timing ({ratios})"
+        elif all(row["vs_eager"] < 1 for row in members):
+            verdict = f"slower than eager ({ratios}): " + (
+                "in EAGER_SHAPE_CLASSES, as it should be" if listed else "belongs in EAGER_SHAPE_CLASSES")
+        elif any(row["vs_eager"] < 1 for row in members):
+            verdict = f"mixed ({ratios}): keep it off EAGER_SHAPE_CLASSES"
+        else:
+            verdict = f"faster than eager ({ratios})" + (
+                ": in EAGER_SHAPE_CLASSES, but should come out of it" if listed else "")
+        verdicts.append((key, verdict))
+    return verdicts
 
 
 def _report(ctx: Context, family: str) -> Report:
@@ -348,6 +387,8 @@ def _report(ctx: Context, family: str) -> Report:
         Column("eager_saved_mb", "eager kept MB", "{:.4g}"), CHECK_COLUMN,
     ]
     notes = _notes(ctx, family)
+    if on_gpu:  # the dispatch rule's table is filled from these
+        notes += [f"Shape class {key!r}: {verdict}." for key, verdict in class_verdicts(rows)]
     flagged = sum(bool(row.get("flags")) for row in rows)
     if flagged and not on_gpu:
         load = f" (load average {ctx.machine.load:.2f} at the start)" if ctx.machine.load is not None else ""

@@ -347,6 +347,50 @@ def test_depthwise_class_verdicts_on_injected_rows():
     assert verdicts[noisy][1].startswith("not decided") and verdicts[slow][0] == "triton"
 
 
+@pytest.mark.parametrize("n", range(2, 8))
+def test_interleaved_rounds_balance_who_runs_after_whom(n):
+    """Over a cycle of rounds every provider follows every other one equally often (and starts as often): on a
+    CPU, the provider after the copy reference runs with cold caches, which a fixed rotation pinned on one column."""
+    from collections import Counter
+
+    from benchmarks.harness import _rotated
+
+    names = [f"p{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    pairs, starts = Counter(), Counter()
+    for round_index in range(cycle):
+        order = _rotated(names, round_index)
+        assert sorted(order) == names
+        starts[order[0]] += 1
+        pairs.update(zip(order, order[1:]))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert len(starts) == n and len(set(starts.values())) == 1
+
+
+def test_norm_act_class_verdicts_on_injected_rows(monkeypatch):
+    """The same rule for group/layer norm + activation's dispatch table (tfuse.ops.norm_act.EAGER_SHAPE_CLASSES)."""
+    from benchmarks import norm_act
+
+    h = _harness()
+
+    def row(key, ratio, flag=None):
+        flags = {"vs_eager": h.Flag("noisy", "test")} if flag else {}
+        return dict(passes="forward+backward", shape_class=key, net="net", shape=f"{ratio}", vs_eager=ratio,
+                    flags=flags)
+
+    slow, mixed, fast, noisy = (("group_norm_act", False, torch.bfloat16, 4 ** s) for s in (5, 6, 7, 8))
+    rows = [row(slow, 0.8), row(slow, 0.9), row(mixed, 0.9), row(mixed, 1.2), row(fast, 1.5), row(noisy, 0.5, True),
+            dict(row(slow, 0.1), passes="forward")]
+    verdicts = dict(norm_act.class_verdicts(rows))
+    assert verdicts[slow].endswith("belongs in EAGER_SHAPE_CLASSES") and "0.80x" in verdicts[slow]
+    assert "0.10x" not in verdicts[slow]  # forward-only rows do not decide
+    assert verdicts[mixed].startswith("mixed") and verdicts[fast].startswith("faster")
+    assert verdicts[noisy].startswith("not decided")
+    monkeypatch.setattr(norm_act.norm_act_ops, "EAGER_SHAPE_CLASSES", frozenset({slow, fast}))
+    verdicts = dict(norm_act.class_verdicts(rows))
+    assert verdicts[slow].endswith("as it should be") and verdicts[fast].endswith("should come out of it")
+
+
 def test_a_plain_run_does_not_write_over_the_committed_tables():
     from benchmarks.__main__ import _parse, default_out_dir
     from benchmarks.harness import RESULTS_DIR
