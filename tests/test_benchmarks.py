@@ -68,7 +68,7 @@ def test_timing_median_quartiles_and_spread():
         _harness().Timing(())
 
 
-def test_cpu_timing_interleaves_providers_round_robin():
+def test_cpu_timing_interleaves_providers_in_balanced_rounds():
     h = _harness()
     calls: list[str] = []
 
@@ -76,16 +76,19 @@ def test_cpu_timing_interleaves_providers_round_robin():
         return lambda: calls.append(name)
 
     timings = h.time_interleaved({name: recorder(name) for name in "abc"}, torch.device("cpu"), quick=True)
-    batches = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]  # one entry per timed batch
-    warmup, timed = batches[:3], batches[3:]
-    assert warmup == ["a", "b", "c"]
-    rounds = len(timed) // 3
+
+    def collapse(names):  # one entry per run of calls of one provider (a batch, or batches back to back)
+        return [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+
+    rounds = len(next(iter(timings.values())).samples)
     low, high = h._CPU_ROUNDS[True]
-    assert low <= rounds <= high and len(timed) == 3 * rounds
-    for index in range(rounds):  # every round times each provider once, starting from the next one
-        order = timed[3 * index:3 * index + 3]
-        assert sorted(order) == ["a", "b", "c"] and order[0] == "abc"[index % 3]
+    assert low <= rounds <= high
     assert all(len(t.samples) == rounds and t.median > 0 for t in timings.values())
+    # Warm-up in the given order, then every round times each provider once, in the balanced design's order.
+    expected = list("abc") + [name for index in range(rounds) for name in h._rotated(list("abc"), index)]
+    assert collapse(calls) == collapse(expected)
+    for index in range(rounds):
+        assert sorted(h._rotated(list("abc"), index)) == ["a", "b", "c"]
 
 
 def test_gpu_timing_pools_do_bench_runs_over_interleaved_rounds(monkeypatch):
