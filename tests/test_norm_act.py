@@ -42,10 +42,10 @@ def tiles(monkeypatch):
         tile, one_tile = TILES[name]
         monkeypatch.setattr(_norm_act_triton, "_TILE", tile)
         monkeypatch.setattr(_norm_act_triton, "_MAX_ONE_TILE", one_tile)
-        _norm_act_triton._plans.clear()
+        _norm_act_triton.clear_plans()
 
     yield use
-    _norm_act_triton._plans.clear()
+    _norm_act_triton.clear_plans()
 
 
 def _eager_group(x, w, b, r, groups, act, slope, eps=1e-5):

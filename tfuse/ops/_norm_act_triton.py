@@ -34,7 +34,7 @@ from tfuse._kit import (
     num_warps,
     split_float,
 )
-from tfuse._launch import launch, target_programs
+from tfuse._launch import LaunchPlan, target_programs
 from tfuse.kernels import codes
 from tfuse.ops._activations import GradSource
 from tfuse.ops._checks import affine_pair
@@ -178,91 +178,104 @@ def _geometry(view: NormView) -> tuple[int, ...]:
     return (view.groups, view.a, view.b, view.s_n, view.s_g, view.s_a)
 
 
-def forward(x, weight, bias, residual, call: NormActCall, out_dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    """(y, mean, 1/std, x as read, residual as read, view, plan): weight and bias dense (or None)."""
-    x, view = norm_view(x, call)
-    if residual is not None:
-        residual = in_layout_of(residual, x)
-    plan = norm_plan(view, x.dtype, x.device, x.numel())
-    acc = acc_dtype(x.dtype)
-    y = torch.empty_like(x, dtype=out_dtype)
-    stats = torch.empty((2, view.rows), dtype=acc, device=x.device)  # one allocation: mean, 1/std
-    mean, rstd = stats[0], stats[1]
-    part = mean
-    common = dict(BA=plan.ba, BB=plan.bb, INDEX_64=plan.index_64, ACC_FP64=acc_fp64(x.dtype), num_warps=plan.warps)
-    if plan.split:
-        part = torch.empty(view.rows * plan.splits * 2, dtype=acc, device=x.device)
-        launch(
-            kernels._na_stats_kernel,
-            (view.rows, plan.splits),
-            (x, part, *_geometry(view), plan.a_per),
-            common,
-            x.device,
-        )
-    placeholder = weight if weight is not None else x
-    launch(
-        kernels._na_fwd_kernel,
-        (view.rows, plan.splits),
-        (
-            x,
-            residual if residual is not None else x,
-            y,
-            placeholder,
-            bias if bias is not None else placeholder,
-            part,
-            mean,
-            rstd,
-            *_geometry(view),
-            plan.a_per,
-            *split_float(call.eps),
-            *split_float(call.negative_slope),
-        ),
-        dict(
-            common,
+class Prepared:
+    """What every call with one shape, layout, dtype and set of options launches with, built once.
+
+    A layer calls with the same of these step after step: its view, tiling,
+    launch plans (kernel, grid and compile-time switches, with Triton's
+    launch prepared) and constant arguments are looked up, not rebuilt; a
+    call allocates its outputs and launches.
+    """
+
+    __slots__ = ("acc", "backward_plans", "copies", "fwd", "fwd_tail", "geometry", "plan", "stats", "view")
+
+    def __init__(self, x: torch.Tensor, call: NormActCall, affine: bool, has_residual: bool) -> None:
+        dense, self.view = norm_view(x, call)
+        self.copies = dense is not x  # a layout the kernels do not read: each call copies x to contiguous
+        view = self.view
+        self.plan = plan = norm_plan(view, x.dtype, x.device, x.numel())
+        self.acc = acc_dtype(x.dtype)
+        self.geometry = (*_geometry(view), plan.a_per)
+        common = dict(BA=plan.ba, BB=plan.bb, INDEX_64=plan.index_64, ACC_FP64=acc_fp64(x.dtype), num_warps=plan.warps)
+        grid = (view.rows, plan.splits)
+        self.stats = LaunchPlan(kernels._na_stats_kernel, grid, common) if plan.split else None
+        switches = dict(
             CH=view.ch,
-            AFFINE=weight is not None,
-            HAS_RESIDUAL=residual is not None,
+            AFFINE=affine,
+            HAS_RESIDUAL=has_residual,
             ACT=call.act.code,
             SPLIT=plan.split,
             S_PAD=plan.s_pad,
             ONE_TILE=plan.one_tile,
             EMULATE_BF16_RTNE=emulate_bf16_rtne(),
-        ),
-        x.device,
-    )
-    return y, mean, rstd, x, residual, view, plan
+        )
+        self.fwd = LaunchPlan(kernels._na_fwd_kernel, grid, dict(common, **switches))
+        self.fwd_tail = (*self.geometry, *split_float(call.eps), *split_float(call.negative_slope))
+        self.backward_plans: dict[tuple, tuple] = {}
 
 
-def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPlan, call: NormActCall, needs, res_dtype):  # type: ignore[no-untyped-def]
-    """(dx, dweight, dbias, dresidual), None where not needed; ``src``: the saved output or residual."""
-    need_x, need_w, need_b, need_res = needs
-    dy = in_layout_of(dy, x)
+_prepared: dict[tuple, Prepared] = {}
+
+
+def prepared(x: torch.Tensor, call: NormActCall, affine: bool, has_residual: bool) -> Prepared:
+    """The :class:`Prepared` of a call (cached by shape, strides, dtype, device and options)."""
+    key = (x.shape, x.stride(), x.dtype, x.device, call, affine, has_residual)
+    prep = _prepared.get(key)
+    if prep is None:
+        if len(_prepared) >= _MAX_PLANS:
+            _prepared.clear()
+        prep = _prepared[key] = Prepared(x, call, affine, has_residual)
+    return prep
+
+
+def clear_plans() -> None:
+    """Forgets every cached tiling and launch plan (tests that change the tile limits call it)."""
+    _plans.clear()
+    _prepared.clear()
+
+
+def forward(x, weight, bias, residual, call: NormActCall, out_dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """(y, mean, 1/std, x as read, residual as read, prepared): weight and bias dense (or None)."""
+    prep = prepared(x, call, weight is not None, residual is not None)
+    if prep.copies:
+        x = x.contiguous()
+    if residual is not None:
+        residual = in_layout_of(residual, x)
     device = x.device
-    acc = acc_dtype(x.dtype)
-    dx = torch.empty_like(x) if need_x else None
-    dres = torch.empty_like(x, dtype=res_dtype) if need_res else None
-    need_wb = (need_w or need_b) and weight is not None
-    in_memory = need_wb and view.ch == codes.NORM_CH_B and plan.bb < view.b
-    if need_wb:
-        if view.ch == codes.NORM_CH_A:
-            part_rows = view.rows // view.groups
-        else:
-            part_rows = plan.programs // view.groups * plan.splits
-        make = torch.zeros if in_memory else torch.empty
-        # One [rows, 2, C] tensor (d(weight) then d(bias) partials in each row): one sum reduces both.
-        partials = make((part_rows, 2, view.channels), dtype=acc, device=device)
-        dw_part, db_part = partials[:, 0], partials[:, 1]
-    else:
-        partials = dw_part = db_part = mean
-    part = torch.empty(view.rows * plan.splits * 2, dtype=acc, device=device) if plan.split else mean
+    rows = prep.view.rows
+    y = torch.empty_like(x, dtype=out_dtype)
+    stats = torch.empty((2, rows), dtype=prep.acc, device=device)  # one allocation: mean, 1/std
+    mean, rstd = stats[0], stats[1]
+    part = mean
+    if prep.stats is not None:
+        part = torch.empty(rows * prep.plan.splits * 2, dtype=prep.acc, device=device)
+        prep.stats((x, part, *prep.geometry), device)
     placeholder = weight if weight is not None else x
+    res = residual if residual is not None else x
     bias_arg = bias if bias is not None else placeholder
-    src_arg = src if src is not None else x
+    prep.fwd((x, res, y, placeholder, bias_arg, part, mean, rstd, *prep.fwd_tail), device)
+    return y, mean, rstd, x, residual, prep
+
+
+def _backward_plans(prep: Prepared, call: NormActCall, x: torch.Tensor, needs: tuple, has_src: bool, affine: bool):  # type: ignore[no-untyped-def]
+    """(reduce/dx LaunchPlan, split dx LaunchPlan or None, d(weight) in memory, partial rows), built once."""
+    key = (needs, has_src, affine)
+    found = prep.backward_plans.get(key)
+    if found is not None:
+        return found
+    view, plan = prep.view, prep.plan
+    need_x, need_w, need_b, need_res = needs
+    need_wb = (need_w or need_b) and affine
+    in_memory = need_wb and view.ch == codes.NORM_CH_B and plan.bb < view.b
+    if view.ch == codes.NORM_CH_A:
+        part_rows = view.rows // view.groups
+    else:
+        part_rows = plan.programs // view.groups * plan.splits
     from_output = call.act.grad_source(call.negative_slope) is GradSource.OUTPUT
     common = dict(
         CH=view.ch,
-        AFFINE=weight is not None,
-        HAS_RESIDUAL=src is not None and not from_output,
+        AFFINE=affine,
+        HAS_RESIDUAL=has_src and not from_output,
         FROM_OUTPUT=from_output,
         ACT=call.act.code,
         BA=plan.ba,
@@ -272,10 +285,45 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
         EMULATE_BF16_RTNE=emulate_bf16_rtne(),
         num_warps=plan.warps,
     )
-    slope = split_float(call.negative_slope)
-    launch(
-        kernels._na_bwd_kernel,
-        (plan.programs, plan.splits),
+    switches = dict(
+        SPLIT=plan.split,
+        ONE_TILE=plan.one_tile,
+        WRITE_DX=need_x and not plan.split,
+        WRITE_DRES=need_res,
+        WRITE_DWB=need_wb,
+        DWB_IN_MEMORY=in_memory,
+    )
+    reduce = LaunchPlan(kernels._na_bwd_kernel, (plan.programs, plan.splits), dict(common, **switches))
+    dx_plan = None
+    if plan.split and need_x:
+        dx_plan = LaunchPlan(kernels._na_bwd_dx_kernel, (view.rows, plan.splits), dict(common, S_PAD=plan.s_pad))
+    found = prep.backward_plans[key] = (reduce, dx_plan, in_memory, part_rows)
+    return found
+
+
+def backward(dy, x, weight, bias, src, mean, rstd, prep: Prepared, call: NormActCall, needs, res_dtype):  # type: ignore[no-untyped-def]
+    """(dx, dweight, dbias, dresidual), None where not needed; ``src``: the saved output or residual."""
+    need_x, need_w, need_b, need_res = needs
+    dy = in_layout_of(dy, x)
+    device = x.device
+    view, plan, acc = prep.view, prep.plan, prep.acc
+    affine = weight is not None
+    reduce, dx_plan, in_memory, part_rows = _backward_plans(prep, call, x, needs, src is not None, affine)
+    dx = torch.empty_like(x) if need_x else None
+    dres = torch.empty_like(x, dtype=res_dtype) if need_res else None
+    need_wb = (need_w or need_b) and affine
+    if need_wb:
+        # One [rows, 2, C] tensor (d(weight) then d(bias) partials in each row): one sum reduces both.
+        partials = (torch.zeros if in_memory else torch.empty)((part_rows, 2, view.channels), dtype=acc, device=device)
+        dw_part, db_part = partials[:, 0], partials[:, 1]
+    else:
+        partials = dw_part = db_part = mean
+    part = torch.empty(view.rows * plan.splits * 2, dtype=acc, device=device) if plan.split else mean
+    placeholder = weight if affine else x
+    bias_arg = bias if bias is not None else placeholder
+    src_arg = src if src is not None else x
+    slope = prep.fwd_tail[-2:]
+    reduce(
         (
             dy,
             src_arg,
@@ -290,31 +338,15 @@ def backward(dy, x, weight, bias, src, mean, rstd, view: NormView, plan: NormPla
             dx if dx is not None else x,
             dres if dres is not None else x,
             view.rows,
-            *_geometry(view),
-            plan.a_per,
+            *prep.geometry,
             plan.rows_per_prog,
             2 * view.channels,  # the partials' row stride
             *slope,
         ),
-        dict(
-            common,
-            SPLIT=plan.split,
-            ONE_TILE=plan.one_tile,
-            WRITE_DX=need_x and not plan.split,
-            WRITE_DRES=need_res,
-            WRITE_DWB=need_wb,
-            DWB_IN_MEMORY=in_memory,
-        ),
         device,
     )
-    if plan.split and need_x:
-        launch(
-            kernels._na_bwd_dx_kernel,
-            (view.rows, plan.splits),
-            (dy, src_arg, x, placeholder, bias_arg, mean, rstd, part, dx, *_geometry(view), plan.a_per, *slope),
-            dict(common, S_PAD=plan.s_pad),
-            device,
-        )
+    if dx_plan is not None:
+        dx_plan((dy, src_arg, x, placeholder, bias_arg, mean, rstd, part, dx, *prep.geometry, *slope), device)
     dweight = dbias = None
     if need_wb:
         sums = partials.sum(0)
@@ -332,10 +364,10 @@ class NormActFunction(torch.autograd.Function):
     def forward(ctx, call: NormActCall, out_dtype: torch.dtype, x, weight, bias, residual):  # type: ignore[override]
         had_weight, had_bias = weight is not None, bias is not None
         weight, bias = affine_pair(weight, bias)
-        y, mean, rstd, x_read, residual_read, view, plan = forward(x, weight, bias, residual, call, out_dtype)
+        y, mean, rstd, x_read, residual_read, prep = forward(x, weight, bias, residual, call, out_dtype)
         source = call.act.grad_source(call.negative_slope)
         src = y if source is GradSource.OUTPUT else (residual_read if source is GradSource.INPUT else None)
-        ctx.call, ctx.view, ctx.plan = call, view, plan
+        ctx.call, ctx.prep = call, prep
         ctx.had = (had_weight, had_bias)
         ctx.res_dtype = residual.dtype if residual is not None else None
         ctx.save_for_backward(x_read, weight, bias, src, mean, rstd)
@@ -349,7 +381,7 @@ class NormActFunction(torch.autograd.Function):
         had_weight, had_bias = ctx.had
         needs = (need_x, need_w and had_weight, need_b and had_bias, need_res)
         dx, dweight, dbias, dres = backward(
-            dy, x, weight, bias, src, mean, rstd, ctx.view, ctx.plan, ctx.call, needs, ctx.res_dtype
+            dy, x, weight, bias, src, mean, rstd, ctx.prep, ctx.call, needs, ctx.res_dtype
         )
         return None, None, dx, dweight, dbias, dres
 
