@@ -28,8 +28,18 @@ import triton.testing
 import tfuse
 
 from .depthwise import EFFICIENTNET_B0, MOBILENET_V2, TORCH_ACT, Layer, _output_size
-from .harness import CHECK_COLUMN, Column, Context, Progress, Report, copy_note, finish_row, grid
-from .harness import saved_for_backward_bytes
+from .harness import (
+    CHECK_COLUMN,
+    Column,
+    Context,
+    Progress,
+    Report,
+    copy_note,
+    finish_row,
+    grid,
+    saved_for_backward_bytes,
+    training_call,
+)
 
 NAME = "bn_depthwise"
 
@@ -136,11 +146,7 @@ def _measure(ctx: Context, layer: Layer, batch: int, dtype: torch.dtype, channel
         nbytes = min_bytes(batch, layer, block.x.element_size(), training)
 
         def run(fn, leaves=leaves, gy=gy):
-            def step():
-                y = fn(*leaves)
-                if gy is not None:
-                    torch.autograd.grad(y, leaves, gy)
-            return step
+            return training_call(fn, leaves, gy)
 
         row: dict[str, Any] = {
             "net": layer.net, "act": layer.act, "dtype": str(dtype).replace("torch.", ""),

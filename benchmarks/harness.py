@@ -818,6 +818,18 @@ class Progress:
         print(f"[{self.name} {self.done}/{self.total}, {elapsed:.0f} s] {what}", file=sys.stderr, flush=True)
 
 
+def training_call(fn: Callable[..., torch.Tensor], leaves: Sequence[torch.Tensor],
+                  grad_out: torch.Tensor | None) -> Callable[[], None]:
+    """A provider: ``fn(*leaves)``, then (with ``grad_out``) the gradients of ``leaves`` through it."""
+
+    def step() -> None:
+        y = fn(*leaves)
+        if grad_out is not None:
+            torch.autograd.grad(y, leaves, grad_out)
+
+    return step
+
+
 def saved_for_backward_bytes(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor]:
     """Bytes of the tensors autograd keeps for backward while running ``fn``.
 

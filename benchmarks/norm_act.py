@@ -43,6 +43,7 @@ from .harness import (
     finish_row,
     grid,
     saved_for_backward_bytes,
+    training_call,
 )
 
 GROUP_NORM = "group_norm_act"
@@ -237,11 +238,7 @@ def _measure(ctx: Context, shape: Shape, batch: int, dtype: torch.dtype, layout:
         nbytes = min_bytes(case.x.numel(), case.params, case.x.element_size(), case.weight.element_size(), training)
 
         def run(fn, leaves=leaves, gy=gy):
-            def step():
-                y = fn(*leaves)
-                if gy is not None:
-                    torch.autograd.grad(y, leaves, gy)
-            return step
+            return training_call(fn, leaves, gy)
 
         row: dict[str, Any] = {
             "net": shape.net, "act": shape.act, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
