@@ -268,7 +268,7 @@ def test_launch_counts(tile, forward, backward, tiles, device):
         assert launches.total == 2, launches
 
 
-def test_saves_less_than_eager():
+def test_saves_less_than_eager(device):
     """Backward keeps x and the per-row statistics (plus the output for activations that need it), never the
     normalised tensor: eager keeps the normalised tensor and the activation's input as well."""
 
@@ -284,34 +284,39 @@ def test_saves_less_than_eager():
         unique = {(t.untyped_storage().data_ptr(), t.dtype): t.untyped_storage().nbytes() for t in seen}
         return sum(unique.values())
 
-    x = torch.randn(2, 8, 16, 16, requires_grad=True)
-    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    x = torch.randn(2, 8, 16, 16, device=device, requires_grad=True)
+    w = torch.ones(8, device=device, requires_grad=True)
+    b = torch.zeros(8, device=device, requires_grad=True)
     with tfuse.use_backend("triton"):
         fused = saved_bytes(lambda: group_norm_act(x, 4, w, b, act="silu"))
     eager = saved_bytes(lambda: F.silu(F.group_norm(x, 4, w, b)))
     assert fused < x.numel() * 4 * 1.05 < eager, (fused, eager)
 
 
-def test_autocast_dtype_like_torch():
-    """CPU autocast leaves group_norm and layer_norm in x's dtype (CUDA's runs them in float32: _out_dtype)."""
-    x = torch.randn(2, 8, 4, 4, dtype=torch.bfloat16, requires_grad=True)
-    w, b = torch.rand(8, requires_grad=True), torch.randn(8, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def test_autocast_dtype_like_torch(device):
+    """Autocast gives what torch's ops give: CPU autocast leaves group_norm and layer_norm in x's dtype, CUDA's runs
+    them in float32 (the kernels then read the 16-bit x and write float32)."""
+    x = torch.randn(2, 8, 4, 4, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.rand(8, device=device, requires_grad=True)
+    b = torch.randn(8, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         want = F.silu(F.group_norm(x, 4, w, b))
+        want_ln = F.gelu(F.layer_norm(x, (4,)))
         with tfuse.use_backend("triton"):
             got = group_norm_act(x, 4, w, b, act="silu")
-        got_ln = layer_norm_act(x, 4, act="gelu")
-        want_ln = F.gelu(F.layer_norm(x, (4,)))
-    assert got.dtype == want.dtype == torch.bfloat16 and got_ln.dtype == want_ln.dtype
+            got_ln = layer_norm_act(x, 4, act="gelu")
+    assert got.dtype == want.dtype and got_ln.dtype == want_ln.dtype
+    assert got.dtype == (torch.float32 if device.type == "cuda" else torch.bfloat16)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_ln, want_ln, atol=2e-2, rtol=2e-2)
     got.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
 
 
-def test_double_backward_raises():
+def test_double_backward_raises(device):
     """Second derivatives are not implemented: asking for one is an error, never a silent zero."""
-    x = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64, device=device, requires_grad=True)
+    v = torch.randn(2, 4, 3, 3, dtype=torch.float64, device=device, requires_grad=True)
     with tfuse.use_backend("triton"):
         y = group_norm_act(x, 2, act="silu")
         (g,) = torch.autograd.grad(y, x, grad_outputs=v, create_graph=True)
@@ -322,13 +327,13 @@ def test_double_backward_raises():
             torch.autograd.grad(g.sum(), x)
 
 
-def test_empty_and_no_grad():
-    x = torch.randn(0, 4, 3, 3, requires_grad=True)
+def test_empty_and_no_grad(device):
+    x = torch.randn(0, 4, 3, 3, device=device, requires_grad=True)
     y = group_norm_act(x, 2, act="silu")
     assert y.shape == x.shape
     y.sum().backward()
     assert x.grad.shape == x.shape
-    z = torch.randn(3, 8)
+    z = torch.randn(3, 8, device=device)
     with torch.no_grad(), tfuse.use_backend("triton"), count_launches() as launches:
         y = layer_norm_act(z, 8, act="tanh")
     assert launches.total == 1 and not y.requires_grad
@@ -489,7 +494,7 @@ def test_torch_path_survives_torch_channels_last_weight_only_backward():
     torch.testing.assert_close(b.grad, b2.grad)
 
 
-def test_shape_classes_and_the_eager_rule(monkeypatch):
+def test_shape_classes_and_the_eager_rule(monkeypatch, device):
     """The dispatch key, and the rule: a class in EAGER_SHAPE_CLASSES takes the PyTorch path on CUDA only, and
     never where a backend is forced."""
     from tfuse.ops import norm_act
@@ -502,8 +507,8 @@ def test_shape_classes_and_the_eager_rule(monkeypatch):
     assert norm_act.shape_class("group_norm_act", x.to(memory_format=torch.channels_last), call)[1] is True
     monkeypatch.setattr(norm_act, "EAGER_SHAPE_CLASSES", frozenset({key}))
     assert not norm_act._eager_class("group_norm_act", x, call)  # a CPU tensor: the rule is CUDA's
-    with tfuse.use_backend("triton"), count_launches() as launches:
-        group_norm_act(x, 32, act="silu")
+    with tfuse.use_backend("triton"), count_launches() as launches:  # a forced backend wins over the rule
+        group_norm_act(x.to(device), 32, act="silu")
     assert launches.total == 1
 
 
